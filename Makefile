@@ -1,0 +1,34 @@
+# Every target works on a fresh clone: the first one run creates .venv and installs into it.
+VENV   := .venv
+BIN    := $(VENV)/bin
+PYTHON ?= python3
+
+.PHONY: test lint typecheck unit demo bench clean
+
+$(BIN)/.installed: pyproject.toml requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e .
+	touch $@
+
+test: lint typecheck unit
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(BIN)/.installed
+	$(BIN)/mypy
+	$(BIN)/basedpyright
+
+unit: $(BIN)/.installed
+	$(BIN)/pytest -q
+
+demo: $(BIN)/.installed
+	$(BIN)/python -m torchcontract.demo
+
+bench: $(BIN)/.installed
+	$(BIN)/python -m benchmarks.report
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

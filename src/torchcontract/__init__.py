@@ -1,0 +1,43 @@
+"""torchcontract: typed composable-API contracts with an explicit, immutable state store."""
+
+from __future__ import annotations
+
+from ._contract import Contract, EmptyState, contract
+from ._describe import describe
+from ._errors import (
+    AlreadyAppliedError,
+    ContractError,
+    FQNChangedError,
+    IncompatibleAPIError,
+    InvalidRecordError,
+    InvalidResultError,
+    InvalidStateClassError,
+    InvalidTargetError,
+    NotAppliedError,
+)
+from ._fqn import FQNSnapshot, take_snapshot
+from ._registry import Incompatible, RegistryEntry, registry, torch_registry
+from ._store import StateStore
+
+__all__ = [
+    "AlreadyAppliedError",
+    "Contract",
+    "ContractError",
+    "EmptyState",
+    "FQNChangedError",
+    "FQNSnapshot",
+    "Incompatible",
+    "IncompatibleAPIError",
+    "InvalidRecordError",
+    "InvalidResultError",
+    "InvalidStateClassError",
+    "InvalidTargetError",
+    "NotAppliedError",
+    "RegistryEntry",
+    "StateStore",
+    "contract",
+    "describe",
+    "registry",
+    "take_snapshot",
+    "torch_registry",
+]

@@ -1,0 +1,412 @@
+"""Contract and contract(): apply an API atomically, check it kept every FQN, give typed state.
+
+Apply reads top to bottom in ``Contract.__call__``: find the targets, snapshot
+their FQNs, check compatibility and install the default record and registry entry
+(one step, under the write lock), run the API function, snapshot again and
+compare. All of it runs in a ``Transaction``: any exception, ``BaseException``
+included, removes what this call (and any API it applied in turn) installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Concatenate, Generic, TypeVar, overload
+
+import attrs
+from torch import nn
+from typing_extensions import ParamSpec
+
+from ._describe import module_label
+from ._errors import (
+    AlreadyAppliedError,
+    InvalidRecordError,
+    InvalidResultError,
+    InvalidStateClassError,
+    InvalidTargetError,
+    NotAppliedError,
+)
+from ._fqn import FQNSnapshot, check_strict, check_unchanged, take_snapshot
+from ._registry import REGISTRY, Incompatible, RegistryEntry, check_compatible
+from ._store import DEFAULT_STORE, Cell, StateStore, check_holds_no_module
+from ._transaction import WRITE_LOCK, Transaction, journal_undo
+
+__all__ = ["AnyContract", "Contract", "EmptyState", "contract"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_S = TypeVar("_S")
+_Target = TypeVar("_Target", bound="nn.Module | Sequence[nn.Module]")
+_Result = TypeVar("_Result", bound="nn.Module | Sequence[nn.Module]")
+
+
+@attrs.frozen
+class EmptyState:
+    """The record of an API that keeps no state of its own."""
+
+
+class Contract(Generic[_P, _R, _S]):
+    """A composable API: calling it applies ``func`` to a module; ``state`` reads its record.
+
+    Made by ``@contract(StateClass)``. Generic over the API function's signature
+    ``_P``, what a call returns ``_R`` and the record class ``_S``. Contracts are
+    compared and hashed by identity and pickle by reference.
+    """
+
+    def __init__(
+        self,
+        func: Callable[_P, object],
+        state_cls: type[_S],
+        *,
+        fields: tuple[str, ...],
+        store: StateStore,
+        rules: tuple[Incompatible, ...],
+        strict: bool,
+    ) -> None:
+        functools.update_wrapper(self, func)
+        self.__name__: str = func.__name__
+        self.__qualname__: str = func.__qualname__
+        self._func = func
+        self._fields = fields
+        self.state_cls = state_cls
+        self.store = store
+        self.rules = rules
+        self.ruled_by: list[Incompatible] = []
+        self.strict = strict
+        self.name = f"{func.__module__}.{func.__qualname__}"
+        self._table = store._table
+        self._slots = store._table._slots  # read directly by state(): one dict lookup
+        self._signature: inspect.Signature | None = None
+
+    def __repr__(self) -> str:
+        return f"<contract {self.name} with state {self.state_cls.__qualname__}>"
+
+    def __reduce__(self) -> str:
+        # Pickle (and copy) by reference, as functions do.
+        return self.__qualname__
+
+    # ----------------------------------------------------------------- apply
+
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        """Apply the API; see ``contract`` for the steps and what each may raise."""
+        if not args:
+            raise InvalidTargetError(
+                f"{self.name}: pass the module (or a list of modules) as the first "
+                "positional argument"
+            )
+        given: Any = args[0]
+        targets = self._targets(given)
+        entry = RegistryEntry(self, args[1:], kwargs)
+        with Transaction():
+            before = [take_snapshot(target) for target in targets]
+            self._install(targets, before, entry)
+            result: Any = self._func(*args, **kwargs)
+            for old, module in zip(before, self._updated(given, targets, result), strict=True):
+                self._verify(old, take_snapshot(module))
+        returned: _R = given if result is None else result
+        return returned
+
+    def _targets(self, given: object) -> list[nn.Module]:
+        """The modules this call applies to: the module, or the roots of a list, in order."""
+        if isinstance(given, nn.Module):
+            return [given]
+        if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
+            raise InvalidTargetError(
+                f"{self.name}: expected an nn.Module or a non-empty list of them as the first "
+                f"argument, got {type(given).__qualname__}"
+            )
+        if not given:
+            raise InvalidTargetError(
+                f"{self.name}: got an empty list of modules; pass at least one"
+            )
+        modules: list[nn.Module] = []
+        for item in given:
+            if not isinstance(item, nn.Module):
+                raise InvalidTargetError(
+                    f"{self.name}: every item of the module list must be an nn.Module, "
+                    f"got {type(item).__qualname__}"
+                )
+            if any(item is module for module in modules):
+                raise InvalidTargetError(
+                    f"{self.name}: {module_label(item)} appears twice in the module list; "
+                    "pass each module once"
+                )
+            modules.append(item)
+        return root_modules(modules)
+
+    def _install(
+        self, targets: Sequence[nn.Module], before: Sequence[FQNSnapshot], entry: RegistryEntry
+    ) -> None:
+        """Check rules, then install one shared default record and the entry on every target."""
+        cell = Cell(self.state_cls())
+        with WRITE_LOCK:
+            check_compatible(entry, targets, [s.modules for s in before], module_label)
+            for target in targets:
+                if not REGISTRY.insert(target, self, entry):
+                    raise AlreadyAppliedError(
+                        f"{self.name} is already applied to {module_label(target)}; "
+                        "an API applies once per module: read or update its state instead"
+                    )
+                self._table.insert(target, self, cell)
+
+    def _updated(
+        self, given: object, targets: Sequence[nn.Module], result: object
+    ) -> Sequence[nn.Module]:
+        """The modules to compare with ``targets``: what ``func`` returned, in input order."""
+        if result is None:
+            return targets
+        if isinstance(given, nn.Module):
+            if isinstance(result, nn.Module):
+                return [result]
+        elif (
+            isinstance(given, Sequence)
+            and isinstance(result, Sequence)
+            and not isinstance(result, (str, bytes))
+            and len(result) == len(given)
+            and all(isinstance(item, nn.Module) for item in result)
+        ):
+            position = {id(module): index for index, module in enumerate(given)}
+            return [result[position[id(target)]] for target in targets]
+        raise InvalidResultError(
+            f"{self.name} returned {type(result).__qualname__}; an API function returns the "
+            "module (or list of modules) it was given, a replacement with the same FQNs, or None"
+        )
+
+    def _verify(self, before: FQNSnapshot, after: FQNSnapshot) -> None:
+        check_unchanged(self.name, module_label, before, after)
+        if self.strict:
+            check_strict(self.name, module_label, before, after)
+
+    # ----------------------------------------------------------------- state
+
+    def state(self, module: nn.Module) -> _S:
+        """The record of ``module``; ``NotAppliedError`` if the API is not applied to it."""
+        slot = self._slots.get(id(module))
+        if slot is not None:
+            cell = slot.items.get(self)
+            if cell is not None:
+                record: _S = cell.record
+                return record
+        raise self._not_applied(module)
+
+    def get_state(self, module: nn.Module) -> _S | None:
+        """The record of ``module``, or None if the API is not applied to it."""
+        slot = self._slots.get(id(module))
+        if slot is not None:
+            cell = slot.items.get(self)
+            if cell is not None:
+                record: _S = cell.record
+                return record
+        return None
+
+    def is_applied(self, module: nn.Module) -> bool:
+        """Whether this API is applied to exactly ``module``."""
+        return self._table.get(module, self) is not None
+
+    def set_state(self, module: nn.Module, record: _S) -> None:
+        """Replace ``module``'s record with ``record``, an instance of the state class."""
+        self._check_record(record, "set_state")
+        with WRITE_LOCK:
+            self._write(self._cell(module), record)
+
+    def update(self, module: nn.Module, transition: Callable[[_S], _S]) -> _S:
+        """Atomically replace ``module``'s record with ``transition(record)``; return the new one.
+
+        ``transition`` runs exactly once, under the store's write lock, so concurrent
+        updates never lose one another; it should be quick and must not wait on other
+        threads. If it raises, or returns something other than a record of the state
+        class, the record is unchanged.
+        """
+        with WRITE_LOCK:
+            cell = self._cell(module)
+            record = transition(cell.record)
+            self._check_record(record, "update")
+            self._write(cell, record)
+            return record
+
+    def _cell(self, module: nn.Module) -> Cell[Any]:
+        cell = self._table.get(module, self)
+        if cell is None:
+            raise self._not_applied(module)
+        return cell
+
+    def _write(self, cell: Cell[Any], record: object) -> None:
+        old = cell.record
+        cell.record = record
+
+        def undo() -> None:
+            if cell.record is record:
+                cell.record = old
+
+        journal_undo(undo)
+
+    def _check_record(self, record: object, method: str) -> None:
+        if not isinstance(record, self.state_cls):
+            raise InvalidRecordError(
+                f"{self.name}.{method}: expected a {self.state_cls.__qualname__} record, got "
+                f"{type(record).__qualname__}; build one with attrs.evolve(record, ...)"
+            )
+        check_holds_no_module(record, self._fields, f"{self.name}.{method}")
+
+    def _not_applied(self, module: nn.Module) -> NotAppliedError:
+        return NotAppliedError(
+            f"{self.name} is not applied to {module_label(module)}; apply it first, "
+            "or use get_state() to get None instead"
+        )
+
+    # ----------------------------------------------------------------- arguments
+
+    def bind_arguments(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Bind a call's arguments (without the module) to the API function, defaults filled in."""
+        if self._signature is None:
+            self._signature = inspect.signature(self._func)
+        bound = self._signature.bind(None, *args, **kwargs)
+        bound.apply_defaults()
+        names = iter(bound.arguments)
+        next(names)  # the module
+        return {name: bound.arguments[name] for name in names}
+
+
+AnyContract = Contract[..., Any, Any]
+
+
+def root_modules(modules: Sequence[nn.Module]) -> list[nn.Module]:
+    """The modules that no other module of ``modules`` contains, in their given order."""
+    if len(modules) == 1:
+        return list(modules)
+    inside: set[int] = set()
+    for module in modules:
+        stack = [child for child in module._modules.values() if child is not None]
+        while stack:
+            child = stack.pop()
+            if id(child) not in inside:
+                inside.add(id(child))
+                stack.extend(
+                    grandchild for grandchild in child._modules.values() if grandchild is not None
+                )
+    return [module for module in modules if id(module) not in inside]
+
+
+def _check_state_class(state_cls: object) -> tuple[str, ...]:
+    """Return the field names of ``state_cls``, a frozen attrs class whose fields have defaults.
+
+    Raise ``InvalidStateClassError`` naming the class and what is wrong otherwise.
+    """
+    name = getattr(state_cls, "__qualname__", repr(state_cls))
+    if not isinstance(state_cls, type) or not attrs.has(state_cls):
+        raise InvalidStateClassError(
+            f"contract({name}): the state class must be an attrs class; "
+            "decorate it with @attrs.frozen"
+        )
+    missing = [field.name for field in attrs.fields(state_cls) if field.default is attrs.NOTHING]
+    if missing:
+        raise InvalidStateClassError(
+            f"contract({name}): fields {missing} have no default; every field needs one, "
+            "since apply installs the default record"
+        )
+    record = state_cls()
+    try:
+        type(record).__setattr__(record, "_probe", None)
+        frozen = False
+    except attrs.exceptions.FrozenInstanceError:
+        frozen = True
+    except AttributeError:  # slotted but not frozen
+        frozen = False
+    if not frozen:
+        raise InvalidStateClassError(
+            f"contract({name}): the state class must be frozen; "
+            "use @attrs.frozen, not @attrs.define"
+        )
+    fields = tuple(field.name for field in attrs.fields(state_cls))
+    check_holds_no_module(record, fields, f"contract({name})")
+    return fields
+
+
+class _Decorator(Generic[_S]):
+    """What ``contract(...)`` returns: turns an API function into a ``Contract``."""
+
+    def __init__(
+        self,
+        state_cls: type[_S],
+        fields: tuple[str, ...],
+        store: StateStore,
+        rules: tuple[Incompatible, ...],
+        strict: bool,
+    ) -> None:
+        self._state_cls = state_cls
+        self._fields = fields
+        self._store = store
+        self._rules = rules
+        self._strict = strict
+
+    @overload
+    def __call__(
+        self, func: Callable[Concatenate[_Target, _P], None]
+    ) -> Contract[Concatenate[_Target, _P], _Target, _S]: ...
+    @overload
+    def __call__(
+        self, func: Callable[Concatenate[_Target, _P], _Result]
+    ) -> Contract[Concatenate[_Target, _P], _Result, _S]: ...
+    @overload
+    def __call__(
+        self, func: Callable[Concatenate[_Target, _P], _Result | None]
+    ) -> Contract[Concatenate[_Target, _P], _Target | _Result, _S]: ...
+    def __call__(self, func: Callable[..., object]) -> Contract[..., Any, _S]:
+        api: Contract[..., Any, _S] = Contract(
+            func,
+            self._state_cls,
+            fields=self._fields,
+            store=self._store,
+            rules=self._rules,
+            strict=self._strict,
+        )
+        for rule in self._rules:
+            if isinstance(rule.other, Contract):
+                rule.other.ruled_by.append(rule)
+        return api
+
+
+@overload
+def contract(
+    *,
+    store: StateStore | None = ...,
+    incompatible_with: Iterable[Incompatible] = ...,
+    strict: bool = ...,
+) -> _Decorator[EmptyState]: ...
+@overload
+def contract(
+    state_cls: type[_S],
+    *,
+    store: StateStore | None = ...,
+    incompatible_with: Iterable[Incompatible] = ...,
+    strict: bool = ...,
+) -> _Decorator[_S]: ...
+def contract(
+    state_cls: type[Any] = EmptyState,
+    *,
+    store: StateStore | None = None,
+    incompatible_with: Iterable[Incompatible] = (),
+    strict: bool = True,
+) -> _Decorator[Any]:
+    """Make a composable API of ``func(module, *args, **kwargs) -> module | None``.
+
+    ``state_cls`` is a frozen attrs class whose fields all have defaults
+    (``InvalidStateClassError`` otherwise, at decoration). ``store`` keeps the
+    records (the shared default store if None). ``incompatible_with`` lists
+    ``Incompatible`` rules. ``strict`` also rejects class changes to a
+    non-subclass and instance-level ``forward`` assignments during apply.
+
+    Calling the API: ``InvalidTargetError`` for a bad first argument,
+    ``IncompatibleAPIError`` or ``AlreadyAppliedError`` before ``func`` runs,
+    ``InvalidResultError``, ``FQNChangedError`` or ``ContractError`` after it.
+    On any exception every record and registry entry the call installed is
+    removed; the module itself keeps whatever ``func`` did to it.
+    """
+    return _Decorator(
+        state_cls,
+        _check_state_class(state_cls),
+        DEFAULT_STORE if store is None else store,
+        tuple(incompatible_with),
+        strict,
+    )

@@ -1,0 +1,55 @@
+"""The exception hierarchy.
+
+Every error names the API, the module (class and FQN where known, never the
+whole repr) and what to do instead.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AlreadyAppliedError",
+    "ContractError",
+    "FQNChangedError",
+    "IncompatibleAPIError",
+    "InvalidRecordError",
+    "InvalidResultError",
+    "InvalidStateClassError",
+    "InvalidTargetError",
+    "NotAppliedError",
+]
+
+
+class ContractError(RuntimeError):
+    """Base class of the errors raised when an API breaks its contract."""
+
+
+class AlreadyAppliedError(ContractError):
+    """The API has already been applied to this module."""
+
+
+class NotAppliedError(ContractError, LookupError):
+    """State was asked of a module the API has not been applied to."""
+
+
+class FQNChangedError(ContractError):
+    """The API function changed a parameter, buffer or module FQN, or their order."""
+
+
+class IncompatibleAPIError(ContractError):
+    """The API cannot be combined with one already applied on this module or around it."""
+
+
+class InvalidStateClassError(TypeError):
+    """The state class given to ``contract`` is not a frozen attrs class with defaults."""
+
+
+class InvalidRecordError(TypeError):
+    """A record is not an instance of the API's state class, or it holds a module."""
+
+
+class InvalidTargetError(TypeError, ValueError):
+    """The first argument of an API call is not a module or a non-empty list of distinct modules."""
+
+
+class InvalidResultError(TypeError):
+    """The API function returned something other than a module, a sequence of them, or None."""

@@ -1,0 +1,56 @@
+"""Journaled writes: what an apply installs is undone if the apply fails.
+
+Every write to a module table made while a transaction is open in the current
+context appends its undo step to that transaction's journal. A transaction that
+fails runs its journal backwards; one that succeeds hands its journal to the
+enclosing transaction, so a nested apply is undone with the apply around it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from contextvars import ContextVar
+from types import TracebackType
+from typing import Final
+
+__all__ = ["WRITE_LOCK", "Transaction", "journal_undo"]
+
+#: Serializes every write to every table; reads take no lock.
+WRITE_LOCK: Final = threading.RLock()
+
+_Undo = Callable[[], None]
+_JOURNAL: Final[ContextVar[list[_Undo] | None]] = ContextVar("torchcontract_journal", default=None)
+
+
+def journal_undo(undo: _Undo) -> None:
+    """Record ``undo`` in the open transaction of this context, if there is one."""
+    journal = _JOURNAL.get()
+    if journal is not None:
+        journal.append(undo)
+
+
+class Transaction:
+    """Context manager: undo every journaled write on any exception, ``BaseException`` included."""
+
+    __slots__ = ("_journal", "_parent", "_token")
+
+    def __enter__(self) -> None:
+        self._parent = _JOURNAL.get()
+        self._journal: list[_Undo] = []
+        self._token = _JOURNAL.set(self._journal)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        _JOURNAL.reset(self._token)
+        if exc_type is None:
+            if self._parent is not None:
+                self._parent.extend(self._journal)
+            return
+        with WRITE_LOCK:
+            for undo in reversed(self._journal):
+                undo()
