@@ -121,17 +121,19 @@ class Contract(Generic[_P, _R, _S]):
                 f"{self.name}: got an empty list of modules; pass at least one"
             )
         modules: list[nn.Module] = []
+        seen: set[int] = set()
         for item in given:
             if not isinstance(item, nn.Module):
                 raise InvalidTargetError(
                     f"{self.name}: every item of the module list must be an nn.Module, "
                     f"got {type(item).__qualname__}"
                 )
-            if any(item is module for module in modules):
+            if id(item) in seen:
                 raise InvalidTargetError(
                     f"{self.name}: {module_label(item)} appears twice in the module list; "
                     "pass each module once"
                 )
+            seen.add(id(item))
             modules.append(item)
         return root_modules(modules)
 
