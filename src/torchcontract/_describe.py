@@ -54,48 +54,66 @@ def _applied(module: nn.Module) -> list[str]:
 def describe(module: nn.Module) -> str:
     """The module tree, compact: which APIs are applied where.
 
-    Subtrees without any API are one line with their module count; runs of
-    siblings that render alike (``0-511: Block ×512``) are merged.
+    One line per module, ``name: Class  [apis]``. A subtree without any API is a
+    single line with its module count; a run of siblings that render alike is
+    merged into one line (``0-511: Block ×512``).
     """
-    return "\n".join(_render(type(module).__qualname__, module, ""))
+    return "\n".join(_Renderer(module).render(type(module).__qualname__, module, ""))
 
 
-def _render(title: str, module: nn.Module, indent: str) -> list[str]:
-    apis = _applied(module)
-    line = indent + title + (f"  [{', '.join(apis)}]" if apis else "")
-    children = [(name, child) for name, child in module._modules.items() if child is not None]
-    if not children:
-        return [line]
-    if not _has_api_below(module):
-        count = sum(1 for _ in _named_tree(module)) - 1
-        return [line + f"  ({count} modules inside, no APIs)"]
-    lines = [line]
-    rendered = [
-        (name, child, _render(type(child).__qualname__, child, indent + "  "))
-        for name, child in children
-    ]
-    index = 0
-    while index < len(rendered):
-        name, child, block = rendered[index]
-        end = index + 1
-        while end < len(rendered) and rendered[end][2] == block:
-            end += 1
-        if end - index > 1:
-            first, last = rendered[index][0], rendered[end - 1][0]
-            head = block[0].replace(
-                indent + "  " + type(child).__qualname__,
-                f"{indent}  {first}-{last}: {type(child).__qualname__} ×{end - index}",
-                1,
-            )
-        else:
-            head = block[0].replace(indent + "  ", f"{indent}  {name}: ", 1)
-        lines.append(head)
-        lines.extend(block[1:])
-        index = end
-    return lines
+class _Renderer:
+    """Renders one tree; learns each module's APIs and subtree size in one walk."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self._apis: dict[int, list[str]] = {}
+        self._size: dict[int, int] = {}
+        self._any_api: dict[int, bool] = {}
+        self._learn(root)
+
+    def _learn(self, module: nn.Module) -> tuple[int, bool]:
+        if id(module) not in self._size:
+            apis = self._apis[id(module)] = _applied(module)
+            size, any_api = 1, bool(apis)
+            for child in _children(module):
+                child_size, child_api = self._learn(child)
+                size += child_size
+                any_api = any_api or child_api
+            self._size[id(module)], self._any_api[id(module)] = size, any_api
+        return self._size[id(module)], self._any_api[id(module)]
+
+    def render(self, title: str, module: nn.Module, indent: str) -> list[str]:
+        apis = self._apis[id(module)]
+        line = indent + title + (f"  [{', '.join(apis)}]" if apis else "")
+        children = list(_named_children(module))
+        if not children:
+            return [line]
+        below = self._size[id(module)] - 1
+        if not any(self._any_api[id(child)] for _, child in children):
+            return [f"{line}  ({below} modules below, no APIs)"]
+        lines = [line]
+        inner = indent + "  "
+        blocks = [
+            (name, self.render(type(child).__qualname__, child, inner)) for name, child in children
+        ]
+        start = 0
+        while start < len(blocks):
+            end = start + 1
+            while end < len(blocks) and blocks[end][1] == blocks[start][1]:
+                end += 1
+            first, block = blocks[start]
+            label = first if end - start == 1 else f"{first}-{blocks[end - 1][0]}"
+            head = block[0][len(inner) :]
+            count = "" if end - start == 1 else f" ×{end - start}"
+            class_name, _, rest = head.partition("  ")
+            lines.append(f"{inner}{label}: {class_name}{count}" + (f"  {rest}" if rest else ""))
+            lines.extend(block[1:])
+            start = end
+        return lines
 
 
-def _has_api_below(module: nn.Module) -> bool:
-    return any(
-        _applied(descendant) for _, descendant in _named_tree(module) if descendant is not module
-    )
+def _children(module: nn.Module) -> list[nn.Module]:
+    return [child for child in module._modules.values() if child is not None]
+
+
+def _named_children(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, child) for name, child in module._modules.items() if child is not None]
