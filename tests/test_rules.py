@@ -1,0 +1,319 @@
+"""Incompatible rules: APIs that cannot be combined on a module or around it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+from torch.distributed._composable.checkpoint_activation import checkpoint as torch_checkpoint
+
+from torchcontract import (
+    ContractError,
+    Incompatible,
+    IncompatibleAPIError,
+    RegistryEntry,
+    StateStore,
+    contract,
+    registry,
+)
+
+
+@contract(store=StateStore())
+def marked(module: nn.Module) -> None:
+    pass
+
+
+@contract(incompatible_with=[Incompatible(marked)])
+def exclusive(module: nn.Module | list[nn.Module]) -> None:
+    pass
+
+
+@contract(incompatible_with=[Incompatible(marked, scope="module")])
+def local(module: nn.Module) -> None:
+    pass
+
+
+@contract()
+def checkpointing(module: nn.Module, *, use_reentrant: bool = True) -> None:
+    pass
+
+
+def _reentrant(entry: RegistryEntry) -> bool:
+    return bool(entry.arguments["use_reentrant"])
+
+
+@contract(incompatible_with=[Incompatible(checkpointing, when=_reentrant)])
+def sharding(module: nn.Module) -> None:
+    pass
+
+
+@contract(incompatible_with=[Incompatible("checkpoint")])
+def needs_plain_forward(module: nn.Module) -> None:
+    pass
+
+
+@contract(incompatible_with=[Incompatible("checkpoint", scope="module")])
+def needs_plain_forward_here(module: nn.Module) -> None:
+    pass
+
+
+class TwoLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(2, 2)
+        self.l2 = nn.Linear(2, 2)
+
+
+def _conflict(apply: Callable[[], object]) -> str:
+    with pytest.raises(IncompatibleAPIError) as info:
+        apply()
+    message = str(info.value)
+    assert "apply only one of them to this part of the model" in message
+    return message
+
+
+# ------------------------------------------------------------------- same module
+
+
+def test_incompatible_error_is_a_contract_error() -> None:
+    assert issubclass(IncompatibleAPIError, ContractError)
+
+
+def test_rule_fires_when_the_declaring_api_comes_second() -> None:
+    layer = nn.Linear(2, 2)
+    marked(layer)
+    message = _conflict(lambda: exclusive(layer))
+    assert message.startswith(
+        f"{exclusive.name} cannot be combined with {marked.name}, "
+        "already applied on the same module, Linear;"
+    )
+
+
+def test_rule_fires_when_the_declaring_api_comes_first() -> None:
+    layer = nn.Linear(2, 2)
+    exclusive(layer)
+    message = _conflict(lambda: marked(layer))
+    assert message.startswith(
+        f"{marked.name} cannot be combined with {exclusive.name}, "
+        "already applied on the same module, Linear;"
+    )
+
+
+def test_rejected_application_neither_runs_nor_installs_anything() -> None:
+    ran: list[nn.Module] = []
+
+    @contract(incompatible_with=[Incompatible(marked)])
+    def feature(module: nn.Module) -> None:
+        ran.append(module)
+
+    layer = nn.Linear(2, 2)
+    marked(layer)
+    _conflict(lambda: feature(layer))
+    assert ran == []
+    assert not feature.is_applied(layer)
+    assert list(registry(layer)) == [marked]
+
+
+def test_rule_does_not_fire_between_sibling_modules() -> None:
+    model = TwoLayer()
+    marked(model.l1)
+    exclusive(model.l2)
+    assert exclusive.is_applied(model.l2)
+
+
+def test_rule_checks_every_target_of_a_list_apply() -> None:
+    model = TwoLayer()
+    marked(model.l2)
+    _conflict(lambda: exclusive([model.l1, model.l2]))
+    assert not exclusive.is_applied(model.l1)
+
+
+# ------------------------------------------------------------------- nested scopes
+
+
+def test_rule_fires_for_an_api_already_applied_inside() -> None:
+    model = TwoLayer()
+    marked(model.l1)
+    message = _conflict(lambda: exclusive(model))
+    assert f"{exclusive.name} cannot be combined with {marked.name}" in message
+    assert "already applied on Linear, inside TwoLayer;" in message
+
+
+def test_rule_fires_for_an_api_already_applied_around() -> None:
+    model = TwoLayer()
+    marked(model)
+    message = _conflict(lambda: exclusive(model.l1))
+    assert f"{exclusive.name} cannot be combined with {marked.name}" in message
+    assert "already applied on TwoLayer, which contains Linear 'l1' of TwoLayer;" in message
+
+
+def test_rule_declared_around_fires_for_the_api_applied_inside_later() -> None:
+    model = TwoLayer()
+    exclusive(model)
+    message = _conflict(lambda: marked(model.l2))
+    assert f"{marked.name} cannot be combined with {exclusive.name}" in message
+    assert "which contains Linear 'l2' of TwoLayer" in message
+
+
+def test_rule_declared_inside_fires_for_the_api_applied_around_later() -> None:
+    model = TwoLayer()
+    exclusive(model.l2)
+    message = _conflict(lambda: marked(model))
+    assert f"{marked.name} cannot be combined with {exclusive.name}" in message
+    assert "inside TwoLayer" in message
+
+
+def test_module_scope_rule_fires_on_the_same_module() -> None:
+    layer = nn.Linear(2, 2)
+    marked(layer)
+    message = _conflict(lambda: local(layer))
+    assert "on the same module, Linear" in message
+
+
+@pytest.mark.parametrize("outer_first", [True, False], ids=["local-around", "local-inside"])
+@pytest.mark.parametrize("local_first", [True, False], ids=["local-first", "marked-first"])
+def test_module_scope_rule_does_not_fire_for_nested_modules(
+    outer_first: bool, local_first: bool
+) -> None:
+    model = TwoLayer()
+    local_target, marked_target = (model, model.l1) if outer_first else (model.l1, model)
+    if local_first:
+        local(local_target)
+        marked(marked_target)
+    else:
+        marked(marked_target)
+        local(local_target)
+    assert local.is_applied(local_target)
+    assert marked.is_applied(marked_target)
+
+
+def _tree(spec: object) -> nn.Module:
+    if isinstance(spec, list):
+        return nn.Sequential(*[_tree(child) for child in spec])
+    return nn.Linear(1, 1)
+
+
+trees = st.recursive(
+    st.just("leaf"), lambda children: st.lists(children, min_size=1, max_size=3), max_leaves=8
+)
+
+
+def _contains(outer: str, inner: str) -> bool:
+    """Whether the module at FQN ``outer`` is, or contains, the one at ``inner``."""
+    return outer in (inner, "") or inner.startswith(outer + ".")
+
+
+@given(spec=trees, data=st.data())
+def test_tree_rule_fires_exactly_when_one_module_contains_the_other(
+    spec: object, data: st.DataObject
+) -> None:
+    named = list(nn.Sequential(_tree(spec)).named_modules())
+    marked_fqn, marked_module = data.draw(st.sampled_from(named), label="marked")
+    exclusive_fqn, exclusive_module = data.draw(st.sampled_from(named), label="exclusive")
+    steps: list[Callable[[], object]] = [
+        lambda: marked(marked_module),
+        lambda: exclusive(exclusive_module),
+    ]
+    if data.draw(st.booleans(), label="declaring API first"):
+        steps.reverse()
+    steps[0]()
+    if _contains(marked_fqn, exclusive_fqn) or _contains(exclusive_fqn, marked_fqn):
+        _conflict(steps[1])
+    else:
+        steps[1]()
+
+
+# ------------------------------------------------------------------- when=
+
+
+def test_rule_narrowed_by_when_fires_for_a_matching_application() -> None:
+    layer = nn.Linear(2, 2)
+    checkpointing(layer, use_reentrant=True)
+    message = _conflict(lambda: sharding(layer))
+    assert f"{sharding.name} cannot be combined with {checkpointing.name}" in message
+
+
+def test_rule_narrowed_by_when_fires_in_the_other_order_too() -> None:
+    layer = nn.Linear(2, 2)
+    sharding(layer)
+    message = _conflict(lambda: checkpointing(layer, use_reentrant=True))
+    assert f"{checkpointing.name} cannot be combined with {sharding.name}" in message
+
+
+def test_rule_narrowed_by_when_sees_defaults_of_the_recorded_arguments() -> None:
+    layer = nn.Linear(2, 2)
+    checkpointing(layer)
+    _conflict(lambda: sharding(layer))
+
+
+@pytest.mark.parametrize("sharding_first", [True, False])
+def test_rule_narrowed_by_when_lets_other_applications_through(sharding_first: bool) -> None:
+    layer = nn.Linear(2, 2)
+    if sharding_first:
+        sharding(layer)
+        checkpointing(layer, use_reentrant=False)
+    else:
+        checkpointing(layer, use_reentrant=False)
+        sharding(layer)
+    assert list(registry(layer)) == (
+        [sharding, checkpointing] if sharding_first else [checkpointing, sharding]
+    )
+
+
+def test_rule_narrowed_by_when_is_given_the_other_applications_entry() -> None:
+    seen: list[RegistryEntry] = []
+
+    def remember(entry: RegistryEntry) -> bool:
+        seen.append(entry)
+        return False
+
+    @contract(incompatible_with=[Incompatible(checkpointing, when=remember)])
+    def feature(module: nn.Module) -> None:
+        pass
+
+    layer = nn.Linear(2, 2)
+    checkpointing(layer, use_reentrant=False)
+    feature(layer)
+    assert seen == [registry(layer)[checkpointing]]
+
+
+# ------------------------------------------------------------------- torch APIs by name
+
+
+def test_rule_naming_a_torch_api_fires_after_torch_applied_it() -> None:
+    layer = nn.Linear(2, 2)
+    torch_checkpoint(layer)
+    message = _conflict(lambda: needs_plain_forward(layer))
+    assert message.startswith(
+        f"{needs_plain_forward.name} cannot be combined with checkpoint, "
+        "already applied on the same module, Linear;"
+    )
+    assert not needs_plain_forward.is_applied(layer)
+
+
+def test_rule_naming_a_torch_api_fires_for_torch_applied_inside() -> None:
+    model = TwoLayer()
+    torch_checkpoint(model.l2)
+    message = _conflict(lambda: needs_plain_forward(model))
+    assert "cannot be combined with checkpoint, already applied on Linear, inside TwoLayer" in (
+        message
+    )
+
+
+def test_module_scope_rule_naming_a_torch_api_does_not_fire_inside() -> None:
+    model = TwoLayer()
+    torch_checkpoint(model.l2)
+    needs_plain_forward_here(model)
+    assert needs_plain_forward_here.is_applied(model)
+
+
+def test_rule_naming_a_torch_api_cannot_be_narrowed_with_when() -> None:
+    with pytest.raises(TypeError) as info:
+        Incompatible("checkpoint", when=lambda entry: True)
+    message = str(info.value)
+    assert "Incompatible('checkpoint', when=...)" in message
+    assert "torch's registry records no arguments" in message
+    assert "drop when=" in message
