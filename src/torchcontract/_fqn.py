@@ -1,97 +1,265 @@
 """FQN snapshots as tuples, and the diff that explains a violation.
 
-One walk of the module tree yields all three name tuples, with exactly the
-semantics of ``named_parameters()``, ``named_buffers(remove_duplicate=False)``
-and ``named_modules(remove_duplicate=False)``: modules and buffers at every
-path, a parameter only at its first path (shared modules and tied parameters
-appear once). Identity, not ``__eq__``/``__hash__``, decides what is shared.
+A snapshot has exactly the semantics of ``named_parameters()``,
+``named_buffers(remove_duplicate=False)`` and
+``named_modules(remove_duplicate=False)``: modules and buffers at every path, a
+parameter only at its first path (shared modules and tied parameters appear
+once), ``None`` entries skipped. Identity, not ``__eq__``/``__hash__``, decides
+what is shared.
+
+Speed: one walk copies, per module visited, its depth and name in the tree and
+the keys and values of its ``_parameters`` and ``_buffers`` into flat lists. It
+builds no string and no other object per module: the pre-order sequence of
+(depth, name) pairs fixes every path, so the FQN tuples can be built from the
+copies later, and only when someone asks for them. Two snapshots whose copies
+are identical (same depths, names and keys, the very same tensor objects) have
+identical FQNs, so comparing them needs no FQNs at all; any other pair is
+compared by its FQNs. Nothing is cached across walks: every snapshot reads the
+whole tree again, so no change can hide.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from itertools import chain, compress, repeat
+from operator import is_, is_not
 from typing import Final
 
-import attrs
 from torch import nn
 
 from ._errors import ContractError, FQNChangedError
 
-__all__ = ["FQNSnapshot", "check_unchanged", "take_snapshot"]
+__all__ = ["FQNSnapshot", "check_strict", "check_unchanged", "take_snapshot"]
 
 _SHOWN: Final = 8  # names listed per side in an error before "... and N more"
 
 
-@attrs.frozen(eq=False)
 class FQNSnapshot:
     """The parameter, buffer and module FQNs of a module tree, in ``named_*`` order.
 
-    ``modules`` holds the module objects behind ``module_fqns`` with their class
-    and instance-level ``forward`` at snapshot time, for the stricter checks.
+    ``parameters``, ``buffers`` and ``module_fqns`` are tuples of names.
+    ``modules`` holds the module objects behind ``module_fqns``, ``classes`` their
+    classes and ``forwards`` their instance-level ``forward`` (or None) at snapshot
+    time, for the stricter checks. Immutable; compared by identity.
     """
 
-    parameters: tuple[str, ...]
-    buffers: tuple[str, ...]
-    module_fqns: tuple[str, ...]
-    modules: tuple[nn.Module, ...] = attrs.field(repr=False)
-    classes: tuple[type[nn.Module], ...] = attrs.field(repr=False)
-    forwards: tuple[object, ...] = attrs.field(repr=False)
+    __slots__ = (
+        "_buffer_counts",
+        "_buffer_keys",
+        "_buffer_values",
+        "_buffers",
+        "_depths",
+        "_forwards",
+        "_module_fqns",
+        "_names",
+        "_param_counts",
+        "_param_keys",
+        "_param_values",
+        "_parameters",
+        "_prefixes",
+        "classes",
+        "modules",
+    )
+
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        tree: tuple[list[int], list[str]],
+        forwards: dict[int, object],
+        params: tuple[list[int], list[str], list[object]],
+        buffers: tuple[list[int], list[str], list[object]],
+    ) -> None:
+        self.modules: tuple[nn.Module, ...] = tuple(modules)
+        self.classes: tuple[type[nn.Module], ...] = tuple(map(type, modules))
+        self._depths, self._names = tree
+        self._forwards = forwards
+        self._param_counts, self._param_keys, self._param_values = params
+        self._buffer_counts, self._buffer_keys, self._buffer_values = buffers
+        self._parameters: tuple[str, ...] | None = None
+        self._buffers: tuple[str, ...] | None = None
+        self._module_fqns: tuple[str, ...] | None = None
+        self._prefixes: list[str] | None = None
+
+    @property
+    def parameters(self) -> tuple[str, ...]:
+        """Parameter FQNs, as the names of ``named_parameters()``."""
+        if self._parameters is None:
+            names, values = _present(
+                _member_names(self._member_prefixes(), self._param_counts, self._param_keys),
+                self._param_values,
+            )
+            ids = list(map(id, values))
+            if len(set(ids)) != len(ids):
+                names = _first_occurrences(names, ids)
+            self._parameters = tuple(names)
+        return self._parameters
+
+    @property
+    def buffers(self) -> tuple[str, ...]:
+        """Buffer FQNs, as the names of ``named_buffers(remove_duplicate=False)``."""
+        if self._buffers is None:
+            names, _ = _present(
+                _member_names(self._member_prefixes(), self._buffer_counts, self._buffer_keys),
+                self._buffer_values,
+            )
+            self._buffers = tuple(names)
+        return self._buffers
+
+    @property
+    def module_fqns(self) -> tuple[str, ...]:
+        """Module FQNs, as the names of ``named_modules(remove_duplicate=False)``."""
+        if self._module_fqns is None:
+            self._module_fqns = tuple(self._build_fqns()[0])
+        return self._module_fqns
+
+    def _member_prefixes(self) -> list[str]:
+        """Per module, what ``named_*()`` put before its members' names."""
+        if self._prefixes is None:
+            self._prefixes = self._build_fqns()[1]
+        return self._prefixes
+
+    def _build_fqns(self) -> tuple[list[str], list[str]]:
+        """Per module, its FQN and its member prefix, rebuilt from (depth, name) pairs.
+
+        As ``named_modules()``: a child's FQN is its parent's FQN, a dot and its name,
+        without the dot when the parent's FQN is empty; its member prefix is its FQN
+        and a dot, or empty when its FQN is.
+        """
+        fqns: list[str] = []
+        prefixes: list[str] = []
+        ancestors: list[str] = []  # member prefix of the current ancestor at each depth
+        for depth, name in zip(self._depths, self._names, strict=True):
+            fqn = ancestors[depth - 1] + name if depth else ""
+            prefix = fqn + "." if fqn else ""
+            del ancestors[depth:]
+            ancestors.append(prefix)
+            fqns.append(fqn)
+            prefixes.append(prefix)
+        return fqns, prefixes
+
+    @property
+    def forwards(self) -> tuple[object, ...]:
+        """Per module, the ``forward`` set on the instance at snapshot time, or None."""
+        return tuple(map(self._forwards.get, range(len(self.modules))))
+
+    def same_as(self, other: FQNSnapshot) -> bool:
+        """Whether both walks copied the same tree, keys and member objects.
+
+        True implies equal ``parameters``, ``buffers`` and ``module_fqns``; False
+        implies nothing (the names may still agree), so compare the names then.
+        """
+        return (
+            self._depths == other._depths
+            and self._names == other._names
+            and self._param_counts == other._param_counts
+            and self._buffer_counts == other._buffer_counts
+            and self._param_keys == other._param_keys
+            and self._buffer_keys == other._buffer_keys
+            # Equal counts make the value lists equally long.
+            and all(map(is_, self._param_values, other._param_values))
+            and all(map(is_, self._buffer_values, other._buffer_values))
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<FQNSnapshot of {len(self.modules)} modules, {len(self.parameters)} parameters, "
+            f"{len(self.buffers)} buffers>"
+        )
 
 
 def take_snapshot(root: nn.Module) -> FQNSnapshot:
     """Walk ``root`` once, pre-order, and return its FQN snapshot."""
-    params: list[str] = []
-    buffers: list[str] = []
-    fqns: list[str] = []
     modules: list[nn.Module] = []
-    seen_modules: set[int] = set()
-    seen_params: set[int] = set()
-    add_fqn, add_module, add_param, add_buffer = (
-        fqns.append,
-        modules.append,
-        params.append,
-        buffers.append,
+    depths: list[int] = []
+    names: list[str] = []
+    forwards: dict[int, object] = {}
+    param_counts: list[int] = []
+    param_keys: list[str] = []
+    param_values: list[object] = []
+    buffer_counts: list[int] = []
+    buffer_keys: list[str] = []
+    buffer_values: list[object] = []
+    add_module, add_depth, add_name = modules.append, depths.append, names.append
+    add_param_count, add_param_keys, add_param_values = (
+        param_counts.append,
+        param_keys.extend,
+        param_values.extend,
+    )
+    add_buffer_count, add_buffer_keys, add_buffer_values = (
+        buffer_counts.append,
+        buffer_keys.extend,
+        buffer_values.extend,
     )
 
-    # Recursion with bound methods is the fastest pure-Python walk measured; the
-    # depth limit is the one named_modules() already has.
-    def visit(fqn: str, module: nn.Module, dot: str) -> None:
-        add_fqn(fqn)
+    # Recursion with bound methods and bulk list.extend calls is the fastest
+    # pure-Python walk measured; the depth limit is the one named_modules() has.
+    # Names are the dict keys themselves and depths are small cached ints, so a
+    # walk allocates nothing per module but list slots. visit reaches itself
+    # through an argument, not through its closure: a closure that refers to
+    # itself is a reference cycle, which would keep every module of the tree alive
+    # until the cycle collector runs (never, where training loops disable it).
+    def visit(module: nn.Module, name: str, depth: int, recurse: Callable[..., None]) -> None:
+        if "forward" in module.__dict__:
+            forwards[len(modules)] = module.__dict__["forward"]
         add_module(module)
+        add_depth(depth)
+        add_name(name)
         own_params = module._parameters
-        if own_params and id(module) not in seen_modules:
-            seen_modules.add(id(module))
-            for name, param in own_params.items():
-                if param is not None and id(param) not in seen_params:
-                    seen_params.add(id(param))
-                    add_param(dot + name)
+        add_param_count(len(own_params))
+        if own_params:
+            add_param_keys(own_params.keys())
+            add_param_values(own_params.values())
         own_buffers = module._buffers
+        add_buffer_count(len(own_buffers))
         if own_buffers:
-            for name, buffer in own_buffers.items():
-                if buffer is not None:
-                    add_buffer(dot + name)
-        children = module._modules
-        if children:
-            for name, child in children.items():
-                if child is not None:
-                    child_fqn = dot + name
-                    visit(child_fqn, child, child_fqn + ".")
+            add_buffer_keys(own_buffers.keys())
+            add_buffer_values(own_buffers.values())
+        depth += 1
+        for child_name, child in module._modules.items():
+            if child is not None:
+                recurse(child, child_name, depth, recurse)
 
-    visit("", root, "")
+    visit(root, "", 0, visit)
     return FQNSnapshot(
-        tuple(params),
-        tuple(buffers),
-        tuple(fqns),
-        tuple(modules),
-        tuple(map(type, modules)),
-        tuple([module.__dict__.get("forward") for module in modules]),
+        modules,
+        (depths, names),
+        forwards,
+        (param_counts, param_keys, param_values),
+        (buffer_counts, buffer_keys, buffer_values),
     )
+
+
+def _member_names(prefixes: list[str], counts: list[int], keys: list[str]) -> list[str]:
+    """Each member key joined to the prefix of the module it belongs to."""
+    owners: Iterator[str] = chain.from_iterable(map(repeat, prefixes, counts))
+    return list(map(str.__add__, owners, keys))
+
+
+def _first_occurrences(names: list[str], ids: list[int]) -> list[str]:
+    """The names whose object (by id) did not come earlier: tied parameters count once."""
+    seen: set[int] = set()
+    kept: list[str] = []
+    for name, key in zip(names, ids, strict=True):
+        if key not in seen:
+            seen.add(key)
+            kept.append(name)
+    return kept
+
+
+def _present(names: list[str], values: list[object]) -> tuple[list[str], list[object]]:
+    """``names`` and ``values`` without the entries whose value is None."""
+    if not any(map(is_, values, repeat(None))):
+        return names, values
+    keep = list(map(is_not, values, repeat(None)))
+    return list(compress(names, keep)), list(compress(values, keep))
 
 
 def check_unchanged(
     api_name: str, label: Callable[[nn.Module], str], before: FQNSnapshot, after: FQNSnapshot
 ) -> None:
     """Raise ``FQNChangedError`` naming the first kind of FQN that differs."""
+    if before.same_as(after):
+        return
     for kind, old, new in (
         ("parameter", before.parameters, after.parameters),
         ("buffer", before.buffers, after.buffers),
@@ -111,23 +279,43 @@ def check_strict(
     """Raise ``ContractError`` if a class changed to a non-subclass or ``forward`` was patched.
 
     Call only once ``check_unchanged`` passed, so both snapshots list the same FQNs.
+    The first offending module in pre-order is reported.
     """
-    for fqn, old_cls, new_module, old_forward in zip(
-        before.module_fqns, before.classes, after.modules, before.forwards, strict=True
-    ):
+    first_class = _first_foreign_class(before, after)
+    first_forward = _first_new_forward(before, after)
+    if first_class is not None and (first_forward is None or first_class <= first_forward):
+        old_cls, new_cls = before.classes[first_class], after.classes[first_class]
+        raise ContractError(
+            f"{api_name} changed the class of {old_cls.__qualname__} at "
+            f"{_quote(before.module_fqns[first_class])} to {new_cls.__qualname__}, which is "
+            "not a subclass of it; an API may only swap in a subclass (as fully_shard does)"
+        )
+    if first_forward is not None:
+        old_cls = before.classes[first_forward]
+        raise ContractError(
+            f"{api_name} assigned forward on the instance of {old_cls.__qualname__} at "
+            f"{_quote(before.module_fqns[first_forward])}; register a forward pre-hook or hook "
+            "instead, or pass strict=False to contract() to allow it"
+        )
+
+
+def _first_foreign_class(before: FQNSnapshot, after: FQNSnapshot) -> int | None:
+    """The first position whose module is no longer an instance of its old class."""
+    if all(map(is_, before.classes, after.classes)):
+        return None
+    for index, (old_cls, new_module) in enumerate(zip(before.classes, after.modules, strict=True)):
         if not isinstance(new_module, old_cls):
-            raise ContractError(
-                f"{api_name} changed the class of {old_cls.__qualname__} at {_quote(fqn)} to "
-                f"{type(new_module).__qualname__}, which is not a subclass of it; an API may "
-                "only swap in a subclass (as fully_shard does)"
-            )
-        new_forward = new_module.__dict__.get("forward")
-        if new_forward is not old_forward:
-            raise ContractError(
-                f"{api_name} assigned forward on the instance of {old_cls.__qualname__} at "
-                f"{_quote(fqn)}; register a forward pre-hook or hook instead, or pass "
-                "strict=False to contract() to allow it"
-            )
+            return index
+    return None
+
+
+def _first_new_forward(before: FQNSnapshot, after: FQNSnapshot) -> int | None:
+    """The first position whose instance-level ``forward`` is not the one it had."""
+    old, new = before._forwards, after._forwards
+    if not old and not new:
+        return None
+    changed = [index for index in old.keys() | new.keys() if old.get(index) is not new.get(index)]
+    return min(changed, default=None)
 
 
 def _quote(fqn: str) -> str:

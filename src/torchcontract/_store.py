@@ -10,10 +10,11 @@ Reads take no lock; writes hold ``WRITE_LOCK`` and are journaled (see
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar, cast
 
+import attrs
 from torch import nn
 
 from ._errors import InvalidRecordError
@@ -28,13 +29,20 @@ _K = TypeVar("_K", bound=Hashable)
 _V = TypeVar("_V")
 
 
-class _Slot(Generic[_K, _V]):
-    """One module's row: a weak reference to it and its items in insertion order."""
+class _Slot(weakref.ref[nn.Module], Generic[_K, _V]):
+    """One module's row: a weak reference to it, its id, and its items in insertion order.
 
-    __slots__ = ("items", "ref")
+    The row is itself the weak reference, and one callback per table serves every
+    row, so a module costs its table one object and one dict, not a closure each.
+    """
 
-    def __init__(self, ref: weakref.ref[nn.Module]) -> None:
-        self.ref = ref
+    __slots__ = ("items", "key")
+
+    def __init__(
+        self, module: nn.Module, forget: Callable[[_Slot[_K, _V]], None] | None = None, /
+    ) -> None:
+        # weakref.ref.__new__ took module and callback; its __init__ has nothing to add.
+        self.key = id(module)
         self.items: dict[_K, _V] = {}
 
 
@@ -50,10 +58,15 @@ class Cell(Generic[_V]):
 class ModuleTable(Generic[_K, _V]):
     """Weak, identity-keyed map ``module -> {key: value}``: the core of store and registry."""
 
-    __slots__ = ("__weakref__", "_slots")
+    __slots__ = ("__weakref__", "_columns", "_forget", "_slots")
 
     def __init__(self) -> None:
         self._slots: dict[int, _Slot[_K, _V]] = {}
+        # Per key, id(module) -> value: one dict lookup for readers of a single key
+        # (Contract.state); kept in step with the rows by every write below. Weak in
+        # the key, so a table never keeps alive an API that no live module holds.
+        self._columns: weakref.WeakKeyDictionary[_K, dict[int, _V]] = weakref.WeakKeyDictionary()
+        self._forget = _forgetter(weakref.ref(self))
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -67,10 +80,19 @@ class ModuleTable(Generic[_K, _V]):
         slot = self._slots.get(id(module))
         return slot.items.get(key) if slot is not None else None
 
+    def column(self, key: _K) -> Mapping[int, _V]:
+        """The live map ``id(module) -> value`` of ``key``, for lock-free reads.
+
+        The same object for as long as ``key`` lives, so a reader may keep it; ids of
+        dead modules are never in it. Callers must not write to it.
+        """
+        with WRITE_LOCK:
+            return self._columns.setdefault(key, {})
+
     def modules(self) -> Iterator[nn.Module]:
         """The live modules with at least one item; a copy, safe while others write."""
         for slot in list(self._slots.values()):
-            module = slot.ref()
+            module = slot()
             if module is not None:
                 yield module
 
@@ -79,12 +101,11 @@ class ModuleTable(Generic[_K, _V]):
         with WRITE_LOCK:
             slot = self._slots.get(id(module))
             if slot is None:
-                slot = self._slots[id(module)] = _Slot(
-                    weakref.ref(module, self._forgetter(id(module)))
-                )
+                slot = self._slots[id(module)] = _Slot(module, self._forget)
             elif key in slot.items:
                 return False
             slot.items[key] = value
+            self._columns.setdefault(key, {})[id(module)] = value
             journal_undo(lambda: self._discard(module, key))
             return True
 
@@ -96,13 +117,15 @@ class ModuleTable(Generic[_K, _V]):
                 return None
             old = slot.items[key]
             slot.items[key] = value
+            self._columns[key][id(module)] = value
             journal_undo(lambda: self._restore(module, key, value, old))
             return old
 
     def _discard(self, module: nn.Module, key: _K) -> None:
         slot = self._slots.get(id(module))
-        if slot is not None:
-            slot.items.pop(key, None)
+        if slot is not None and key in slot.items:
+            del slot.items[key]
+            del self._columns[key][id(module)]
             if not slot.items:
                 del self._slots[id(module)]
 
@@ -111,43 +134,82 @@ class ModuleTable(Generic[_K, _V]):
         slot = self._slots.get(id(module))
         if slot is not None and slot.items.get(key) is written:
             slot.items[key] = old
-
-    def _forgetter(self, key: int) -> Callable[[weakref.ref[nn.Module]], None]:
-        table = weakref.ref(self)
-
-        def forget(ref: weakref.ref[nn.Module]) -> None:
-            # Runs when the module dies, before its id can be reused.
-            this = table()
-            if this is not None and (slot := this._slots.get(key)) is not None and slot.ref is ref:
-                del this._slots[key]
-
-        return forget
+            self._columns[key][id(module)] = old
 
 
-def check_holds_no_module(record: object, field_names: tuple[str, ...], api_name: str) -> None:
-    """Raise ``InvalidRecordError`` if ``record`` holds an ``nn.Module`` in one of its fields.
+def _forgetter(
+    table: weakref.ref[ModuleTable[_K, _V]],
+) -> Callable[[_Slot[_K, _V]], None]:
+    """The weak-reference callback of every row of ``table``: drop a dead module's row."""
+
+    def forget(slot: _Slot[_K, _V]) -> None:
+        # Runs when the module dies, before its id can be reused. The table is held
+        # weakly so that a StateStore nobody uses any more can be freed.
+        this = table()
+        if this is not None and this._slots.get(slot.key) is slot:
+            del this._slots[slot.key]
+            for key in slot.items:
+                column = this._columns.get(key)
+                if column is not None:
+                    column.pop(slot.key, None)
+
+    return forget
+
+
+def check_holds_no_module(
+    record: object,
+    field_names: tuple[str, ...],
+    api_name: str,
+    error: type[TypeError] = InvalidRecordError,
+) -> None:
+    """Raise ``error`` if ``record`` holds an ``nn.Module`` in one of its fields.
 
     A value that references its own key keeps it alive forever in a weak-keyed
     store, so modules are refused in fields and in built-in containers inside them.
+    ``error`` is ``InvalidRecordError`` for a record being stored, and
+    ``InvalidStateClassError`` for the default record checked at decoration.
     """
     for name in field_names:
         if _holds_module(getattr(record, name)):
-            raise InvalidRecordError(
+            raise error(
                 f"{api_name}: field {name!r} of {type(record).__qualname__} holds an "
                 "nn.Module, which would keep the module alive forever; store its FQN "
                 "or a weakref.ref to it instead"
             )
 
 
+#: Values that cannot hold anything: most record fields, answered without a walk.
+_ATOMS: Final = frozenset({int, float, complex, bool, str, bytes, type(None)})
+
+
 def _holds_module(value: object) -> bool:
-    if isinstance(value, nn.Module):
-        return True
-    if isinstance(value, (tuple, list, set, frozenset)):
-        return any(_holds_module(item) for item in value)
-    if isinstance(value, dict):
-        return any(_holds_module(item) for item in value.values()) or any(
-            isinstance(key, nn.Module) for key in value
-        )
+    """Whether ``value`` is a module or reaches one through containers or attrs records.
+
+    Built-in containers (dict keys included) and nested attrs records are walked
+    without recursion, each once, so a deep or self-referencing value gets an
+    answer rather than a ``RecursionError``.
+    """
+    if type(value) in _ATOMS:
+        return False
+    pending = [value]
+    seen: set[int] = set()
+    while pending:
+        item = pending.pop()
+        if type(item) in _ATOMS:
+            continue
+        if isinstance(item, nn.Module):
+            return True
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, dict):
+            mapping = cast("dict[object, object]", item)
+            pending.extend(mapping.keys())
+            pending.extend(mapping.values())
+        elif isinstance(item, (tuple, list, set, frozenset)):
+            pending.extend(cast("Iterable[object]", item))
+        elif attrs.has(cls := type(item)):
+            pending.extend(getattr(item, field.name) for field in attrs.fields(cls))
     return False
 
 
@@ -173,7 +235,10 @@ class StateStore:
 
     def records(self, module: nn.Module) -> Mapping[AnyContract, object]:
         """A read-only copy of ``module``'s records, by API, in the order they were installed."""
-        return MappingProxyType({api: cell.record for api, cell in self._table.row(module).items()})
+        # dict() copies the row in one step; iterating the live row in Python would
+        # fail if another thread installed or removed a record meanwhile.
+        row = dict(self._table.row(module))
+        return MappingProxyType({api: cell.record for api, cell in row.items()})
 
     def __repr__(self) -> str:
         return f"<StateStore holding records for {len(self)} modules>"

@@ -1,0 +1,97 @@
+"""Applying APIs: to the root of a model that has one already, FSDP-style, and to a list.
+
+Every round builds a fresh model (untimed), since an API applies once per module.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from pytest_benchmark.fixture import BenchmarkFixture
+
+from .harness import label, time_once_per_model
+from .libraries import NAMES, Library, library_named
+from .models import Model, build_model, modules_in
+
+# CPU time: on a shared machine a process waiting for a core does no work.
+pytestmark = pytest.mark.benchmark(timer=time.process_time)
+
+
+# The required sizes are 8, 64 and 512 blocks; the others fill in the scaling plot.
+ROOT_SIZES = (8, 16, 32, 64, 128, 256, 512)
+SIZES = (8, 64, 512)
+
+
+def rounds_for(blocks: int) -> int:
+    """Enough rounds for a steady median, few enough that building the models stays cheap."""
+    return 15 if blocks <= 64 else 9
+
+
+@pytest.mark.parametrize("blocks", ROOT_SIZES)
+@pytest.mark.parametrize("name", NAMES)
+def test_root_apply(benchmark: BenchmarkFixture, name: str, blocks: int) -> None:
+    """One API applied to the root of a model that already has another API on its root."""
+    library = library_named(name)
+
+    def prepare() -> tuple[Model]:
+        model = build_model(blocks)
+        library.apply_first(model)
+        return (model,)
+
+    label(
+        benchmark,
+        workload="root apply",
+        library=name,
+        blocks=blocks,
+        modules=modules_in(blocks),
+    )
+    time_once_per_model(benchmark, library.apply, prepare, rounds=rounds_for(blocks))
+
+
+def _fsdp_pattern(library: Library, model: Model) -> None:
+    for block in model.blocks:
+        library.apply(block)
+    library.apply(model)
+
+
+@pytest.mark.parametrize("blocks", SIZES)
+@pytest.mark.parametrize("name", NAMES)
+def test_fsdp_pattern(benchmark: BenchmarkFixture, name: str, blocks: int) -> None:
+    """One API on every block, then on the root, as fully_shard is used."""
+    library = library_named(name)
+
+    def prepare() -> tuple[Library, Model]:
+        return library, build_model(blocks)
+
+    label(
+        benchmark,
+        workload="FSDP pattern",
+        library=name,
+        blocks=blocks,
+        modules=modules_in(blocks),
+    )
+    time_once_per_model(benchmark, _fsdp_pattern, prepare, rounds=rounds_for(blocks))
+
+
+def _list_apply(library: Library, model: Model) -> None:
+    library.apply_list(list(model.blocks))
+
+
+@pytest.mark.parametrize("blocks", SIZES)
+@pytest.mark.parametrize("name", NAMES)
+def test_list_apply(benchmark: BenchmarkFixture, name: str, blocks: int) -> None:
+    """One API applied in one call to the list of every block (one state shared by all)."""
+    library = library_named(name)
+
+    def prepare() -> tuple[Library, Model]:
+        return library, build_model(blocks)
+
+    label(
+        benchmark,
+        workload="list apply",
+        library=name,
+        blocks=blocks,
+        modules=modules_in(blocks),
+    )
+    time_once_per_model(benchmark, _list_apply, prepare, rounds=rounds_for(blocks))

@@ -1,0 +1,343 @@
+"""``make bench``: run every ``bench_*.py``, then write and print the comparison.
+
+Writes, under ``benchmarks/results/``: ``benchmarks.json`` (pytest-benchmark's raw
+output), ``RESULTS.md`` (medians of both libraries side by side, the ratio
+torchcontract / torch, growth from 64 to 512 blocks, bytes per module, and the
+machine) and ``apply_scaling.png`` (apply time against module count, log-log).
+``python -m benchmarks.report --no-run`` rebuilds the last two from the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Final
+
+import attrs
+
+__all__ = ["main"]
+
+HERE: Final = Path(__file__).resolve().parent
+RESULTS: Final = HERE / "results"
+RAW: Final = RESULTS / "benchmarks.json"
+TABLE: Final = RESULTS / "RESULTS.md"
+PLOT: Final = RESULTS / "apply_scaling.png"
+
+OURS: Final = "torchcontract"
+TORCH: Final = "torch"
+
+#: The targets of the performance issue: ratio torchcontract / torch at 512 blocks.
+RATIO_TARGETS: Final = {"root apply": 0.33, "FSDP pattern": 0.5, "state() lookup": 0.7}
+GROWTH_TARGET: Final = 9.0  # time at 512 blocks over time at 64 blocks, root apply
+GROWTH_FROM, GROWTH_TO = 64, 512
+
+#: Options of every run: a short time budget per calibrated benchmark. Each file
+#: picks its timer (a ``benchmark`` mark); the table says which rows are wall time.
+PYTEST_OPTIONS: Final = (
+    "-q",
+    "-p",
+    "no:cacheprovider",
+    "--benchmark-group-by=group",
+    "--benchmark-sort=name",
+    "--benchmark-columns=median,min,max,rounds",
+    "--benchmark-max-time=0.5",
+    "--benchmark-min-rounds=5",
+)
+
+
+@attrs.frozen
+class Result:
+    """One benchmark's median, with what it measured."""
+
+    workload: str
+    library: str
+    blocks: int | None
+    modules: int | None
+    median: float  # seconds per round
+    rounds: int
+    calls: int | None  # calls per round, when a round repeats one small call
+    bytes_per_module: float | None
+    timer: str  # the timer's name, e.g. "time.process_time"
+
+    @property
+    def per_call(self) -> float:
+        """The median divided by the calls a round makes (the median itself if one)."""
+        return self.median / (self.calls or 1)
+
+
+def run_suite(selection: Sequence[str]) -> None:
+    """Run the benchmarks with pytest-benchmark, writing the raw JSON; exit if they fail."""
+    RESULTS.mkdir(exist_ok=True)
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(HERE),
+        *PYTEST_OPTIONS,
+        f"--benchmark-json={RAW}",
+        *selection,
+    ]
+    completed = subprocess.run(command, cwd=HERE.parent, check=False)
+    if completed.returncode != 0:
+        sys.exit(f"benchmarks failed (pytest exit status {completed.returncode})")
+
+
+def load(path: Path) -> tuple[list[Result], dict[str, Any]]:
+    """The results in ``path`` and the whole JSON document."""
+    document: dict[str, Any] = json.loads(path.read_text())
+    results = [_result(entry) for entry in document["benchmarks"]]
+    return results, document
+
+
+def _result(entry: dict[str, Any]) -> Result:
+    info: dict[str, Any] = entry.get("extra_info", {})
+    param = str(entry.get("param") or "")
+    # A benchmark that does not call harness.label: its first parameter names the library.
+    library = info.get("library") or param.split("-", maxsplit=1)[0] or entry["name"]
+    return Result(
+        workload=str(info.get("workload") or entry.get("group") or entry["name"]),
+        library=str(library),
+        blocks=info.get("blocks"),
+        modules=info.get("modules"),
+        median=float(entry["stats"]["median"]),
+        rounds=int(entry["stats"]["rounds"]),
+        calls=info.get("calls"),
+        bytes_per_module=info.get("bytes_per_module"),
+        timer=str(entry.get("options", {}).get("timer", "")),
+    )
+
+
+def format_time(seconds: float) -> str:
+    """``seconds`` in the unit that keeps three significant digits readable."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+def _verdict(value: float, target: float) -> str:
+    return f"≤ {target:g}: {'met' if value <= target else 'MISSED'}"
+
+
+def _rows(results: Sequence[Result]) -> list[tuple[str, int | None, dict[str, Result]]]:
+    """Results grouped by (workload, blocks), in the order the suite ran them."""
+    groups: dict[tuple[str, int | None], dict[str, Result]] = {}
+    for result in results:
+        groups.setdefault((result.workload, result.blocks), {})[result.library] = result
+    return [(workload, blocks, by_library) for (workload, blocks), by_library in groups.items()]
+
+
+def time_table(results: Sequence[Result]) -> list[str]:
+    """The markdown table of medians, torchcontract and torch side by side."""
+    lines = [
+        "| workload | blocks | modules | torchcontract | torch | torchcontract / torch "
+        "| target | other |",
+        "|---|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for workload, blocks, by_library in _rows(results):
+        ours, theirs = by_library.get(OURS), by_library.get(TORCH)
+        any_result = next(iter(by_library.values()))
+        per_call = " per call" if any_result.calls else ""
+        if "process_time" not in any_result.timer:
+            per_call += " (wall time)"
+        ratio = ours.per_call / theirs.per_call if ours and theirs else None
+        target = RATIO_TARGETS.get(workload) if blocks == GROWTH_TO else None
+        others = ", ".join(
+            f"{name}: {format_time(result.per_call)}"
+            for name, result in by_library.items()
+            if name not in (OURS, TORCH)
+        )
+        lines.append(
+            f"| {workload}{per_call} | {blocks if blocks is not None else ''} "
+            f"| {any_result.modules or ''} "
+            f"| {format_time(ours.per_call) if ours else ''} "
+            f"| {format_time(theirs.per_call) if theirs else ''} "
+            f"| {f'{ratio:.2f}' if ratio is not None else ''} "
+            f"| {_verdict(ratio, target) if ratio is not None and target else ''} "
+            f"| {others} |"
+        )
+    return lines
+
+
+def growth_table(results: Sequence[Result]) -> list[str]:
+    """Time at 512 blocks over time at 64 blocks, per workload and library."""
+    by_key = {(r.workload, r.library, r.blocks): r for r in results}
+    lines = [
+        f"| workload | modules {GROWTH_FROM} → {GROWTH_TO} blocks | torchcontract | torch "
+        "| target |",
+        "|---|---:|---:|---:|---|",
+    ]
+    workloads = dict.fromkeys(r.workload for r in results if r.blocks == GROWTH_TO)
+    for workload in workloads:
+        growth: dict[str, float] = {}
+        size = ""
+        for library in (OURS, TORCH):
+            small = by_key.get((workload, library, GROWTH_FROM))
+            large = by_key.get((workload, library, GROWTH_TO))
+            if small and large:
+                growth[library] = large.median / small.median
+                if small.modules and large.modules:
+                    size = f"×{large.modules / small.modules:.2f}"
+        if not growth:
+            continue
+        target = _verdict(growth[OURS], GROWTH_TARGET) if workload == "root apply" else ""
+        cells = [f"×{growth[name]:.2f}" if name in growth else "" for name in (OURS, TORCH)]
+        lines.append(f"| {workload} | {size} | {cells[0]} | {cells[1]} | {target} |")
+    return lines
+
+
+def memory_table(results: Sequence[Result]) -> list[str]:
+    """Bytes kept per module, where a benchmark measured them."""
+    measured = [r for r in results if r.bytes_per_module is not None]
+    if not measured:
+        return []
+    lines = [
+        "| workload | blocks | modules | torchcontract | torch |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for workload, blocks, by_library in _rows(measured):
+        ours, theirs = by_library.get(OURS), by_library.get(TORCH)
+        any_result = next(iter(by_library.values()))
+        lines.append(
+            f"| {workload}: bytes kept per module | {blocks} | {any_result.modules} "
+            f"| {f'{ours.bytes_per_module:.0f} B' if ours else ''} "
+            f"| {f'{theirs.bytes_per_module:.0f} B' if theirs else ''} |"
+        )
+    return lines
+
+
+def machine(document: dict[str, Any]) -> str:
+    """CPU model, cores, Python and torch versions, and when the run happened."""
+    cpu = _cpu_model() or document["machine_info"].get("cpu", {}).get("brand_raw") or "unknown"
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}; "
+        f"Python {platform.python_version()}, torch {_version('torch')}, "
+        f"torchcontract {_version('torchcontract')}, pytest-benchmark "
+        f"{_version('pytest-benchmark')}; run {document['datetime'][:19].replace('T', ' ')} UTC"
+    )
+
+
+def _cpu_model() -> str | None:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or None
+    names = (line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    return next(names, None)
+
+
+def _version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def markdown(results: Sequence[Result], document: dict[str, Any]) -> str:
+    """The whole RESULTS.md."""
+    memory = memory_table(results)
+    parts = [
+        "# Benchmark results",
+        "",
+        f"Machine: {machine(document)}.",
+        "",
+        "Reproduce with `make bench` (`python -m benchmarks.report`). Every workload ran "
+        "through torchcontract and through `torch.distributed._composable.contract` in the "
+        "same run. Times are medians of CPU time (`time.process_time`) per round unless a "
+        "row says wall time; rounds "
+        "that apply an API each get a freshly built model, built untimed, after which every "
+        "live object is frozen out of the garbage collector's reach until the round ends "
+        "(`gc.freeze`). Lookups and updates are timed over every block of the "
+        "model and shown per call. Model: per block two LayerNorms, attention with q/k/v/o "
+        "Linear layers, an MLP with up/act/down/dropout (13 modules, 16 parameters).",
+        "",
+        *time_table(results),
+        "",
+        f"Growth from {GROWTH_FROM} to {GROWTH_TO} blocks (time at {GROWTH_TO} over time at "
+        f"{GROWTH_FROM}; the module count grows ×{_module_growth(results)}, so that is linear):",
+        "",
+        *growth_table(results),
+        "",
+    ]
+    if memory:
+        parts += [
+            "Memory (tracemalloc, bytes still allocated after the apply and a full "
+            "collection, divided by the modules the API was applied to):",
+            "",
+            *memory,
+            "",
+        ]
+    parts += [f"Plot: `{PLOT.name}` (apply time against module count, log-log).", ""]
+    return "\n".join(parts)
+
+
+def _module_growth(results: Iterable[Result]) -> str:
+    sizes = {r.blocks: r.modules for r in results if r.modules}
+    small, large = sizes.get(GROWTH_FROM), sizes.get(GROWTH_TO)
+    return f"{large / small:.2f}" if small and large else "?"
+
+
+def plot(results: Sequence[Result], path: Path) -> None:
+    """Log-log apply time against module count, both libraries, each apply workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 5))
+    colours = {OURS: "tab:blue", TORCH: "tab:orange"}
+    for workload, style in (("root apply", "-o"), ("FSDP pattern", "--s"), ("list apply", ":^")):
+        for library in (OURS, TORCH):
+            points = sorted(
+                (r.modules, r.median)
+                for r in results
+                if r.workload == workload and r.library == library and r.modules
+            )
+            if points:
+                axes.plot(
+                    [modules for modules, _ in points],
+                    [median * 1e3 for _, median in points],
+                    style,
+                    color=colours[library],
+                    label=f"{library}: {workload}",
+                )
+    axes.set_xscale("log")
+    axes.set_yscale("log")
+    axes.set_xlabel("modules in the model")
+    axes.set_ylabel("median time (ms, CPU)")
+    axes.set_title("Applying an API: torchcontract vs torch's contract")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the suite (unless ``--no-run``), then write RESULTS.md and the plot, and print."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__)
+    parser.add_argument(
+        "--no-run", action="store_true", help="rebuild the table and plot from the last JSON"
+    )
+    # Anything else goes to pytest, e.g. -k root_apply to run some benchmarks only.
+    arguments, selection = parser.parse_known_args(argv)
+    if not arguments.no_run:
+        run_suite(selection)
+    results, document = load(RAW)
+    text = markdown(results, document)
+    TABLE.write_text(text)
+    plot(results, PLOT)
+    print()
+    print(text)
+    print(f"Wrote {TABLE.relative_to(HERE.parent)} and {PLOT.relative_to(HERE.parent)}.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Typed views of the torch functions these APIs call that torch leaves unannotated.
+
+Each is the torch function itself, cast once here to the signature this package
+uses, so the API modules type-check strictly without suppressing anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager
+from typing import Any, Final, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils import checkpoint as torch_checkpoint
+from torch.utils.hooks import RemovableHandle
+
+__all__ = [
+    "all_gather_objects",
+    "all_reduce",
+    "all_reduce_blocking",
+    "broadcast",
+    "checkpoint_generator",
+    "checkpoint_is_valid",
+    "device_module_initialized",
+    "fork_rng",
+    "get_device_states",
+    "infer_device_type",
+    "manual_seed",
+    "optimizer_step",
+    "register_post_accumulate_grad_hook",
+    "set_device_states",
+    "to_bools",
+]
+
+#: ``torch.utils.checkpoint._checkpoint_without_reentrant_generator(fn, preserve_rng_state,
+#: context_fn, determinism_check, debug, early_stop, *args, **kwargs)``: yields once, while
+#: the checkpointed forward runs.
+checkpoint_generator: Final = cast(
+    Callable[..., Generator[None, None, None]],
+    torch_checkpoint._checkpoint_without_reentrant_generator,
+)
+
+#: False inside ``torch.autograd.grad()`` or ``backward(inputs=...)``, where a reentrant
+#: backward cannot reach the leaves.
+checkpoint_is_valid: Final = cast(Callable[[], bool], torch.autograd._is_checkpoint_valid)
+
+#: ``_infer_device_type(*args)``: the accelerator type of the tensors among ``args``, else cpu.
+infer_device_type: Final = cast(Callable[..., str], torch_checkpoint._infer_device_type)
+
+#: ``get_device_states(*args)``: the ids and RNG states of the accelerators ``args`` live on.
+get_device_states: Final = cast(
+    Callable[..., tuple[list[int], list[Tensor]]], torch_checkpoint.get_device_states
+)
+
+#: ``set_device_states(devices, states, *, device_type)``.
+set_device_states: Final = cast(Callable[..., None], torch_checkpoint.set_device_states)
+
+#: ``fork_rng(devices, enabled, device_type=...)``: restores the RNG states on exit.
+fork_rng: Final = cast(Callable[..., AbstractContextManager[None]], torch.random.fork_rng)
+
+#: ``torch.manual_seed(seed)``: seeds every device's default generator.
+manual_seed: Final = cast(Callable[[int], object], torch.manual_seed)
+
+_get_device_module: Final = cast(Callable[[str], Any], torch_checkpoint._get_device_module)
+
+
+def device_module_initialized(device_type: str) -> bool:
+    """Whether the accelerator runtime of ``device_type`` is initialized (never for cpu)."""
+    return bool(getattr(_get_device_module(device_type), "_initialized", False))
+
+
+_all_reduce: Final = cast(Callable[..., dist.Work], dist.all_reduce)
+_broadcast: Final = cast(Callable[..., dist.Work | None], dist.broadcast)
+
+
+def all_reduce(tensor: Tensor, group: dist.ProcessGroup) -> dist.Work:
+    """Start a sum all-reduce of ``tensor`` in place over ``group``; wait on the handle."""
+    return _all_reduce(tensor, group=group, async_op=True)
+
+
+def all_reduce_blocking(tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+    """Reduce ``tensor`` in place over the default group with ``op``, and wait for it."""
+    _all_reduce(tensor, op=op)
+
+
+_all_gather_object: Final = cast(Callable[[list[object], object], None], dist.all_gather_object)
+
+
+def all_gather_objects(value: object) -> list[object]:
+    """Every rank's ``value`` (picklable), by rank, over the default group."""
+    gathered: list[object] = [None] * dist.get_world_size()
+    _all_gather_object(gathered, value)
+    return gathered
+
+
+def broadcast(tensor: Tensor, source: int, group: dist.ProcessGroup) -> None:
+    """Overwrite ``tensor`` with global rank ``source``'s copy, on every rank of ``group``."""
+    _broadcast(tensor, src=source, group=group)
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """Take one step of ``optimizer``."""
+    cast(Callable[[], object], optimizer.step)()
+
+
+def to_bools(tensor: Tensor) -> list[bool]:
+    """The elements of a 1-D boolean tensor, in one device-to-host copy."""
+    return cast(Callable[[], list[bool]], tensor.tolist)()
+
+
+def register_post_accumulate_grad_hook(
+    parameter: Tensor, hook: Callable[[Tensor], None]
+) -> RemovableHandle:
+    """Call ``hook(parameter)`` after each backward has accumulated into ``parameter.grad``."""
+    register = cast(
+        Callable[[Callable[[Tensor], None]], RemovableHandle],
+        parameter.register_post_accumulate_grad_hook,
+    )
+    return register(hook)

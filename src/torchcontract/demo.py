@@ -1,0 +1,316 @@
+"""The demo: train a small GPT on N local gloo processes with ``replicate`` and ``checkpoint``.
+
+    python -m torchcontract.demo [--nproc N] [--steps S]
+
+``replicate`` goes on the whole model and ``checkpoint`` on each transformer
+block. The first step also runs a ``DistributedDataParallel`` copy of the
+model on the same batch and compares gradients. Rank 0 draws a progress bar
+with the loss averaged over ranks, then prints ``describe(model)``, each rank's
+API records and the comparison with DDP.
+
+Launched by ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set), each process joins the
+``env://`` group torchrun describes and ``--nproc`` is ignored; otherwise the demo
+starts ``--nproc`` ranks on this machine itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import cast
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn import functional
+from torch.nn.parallel import DistributedDataParallel
+
+from torchcontract import describe, registry
+from torchcontract.apis import checkpoint, replicate
+from torchcontract.apis._torch import (
+    all_gather_objects,
+    all_reduce_blocking,
+    manual_seed,
+    optimizer_step,
+)
+from torchcontract.testing import run_distributed
+
+__all__ = ["GPT", "GPTConfig", "Outcome", "Settings", "main", "train"]
+
+
+@attrs.frozen
+class GPTConfig:
+    """The shape of the demo model."""
+
+    vocabulary: int = 64
+    context: int = 32
+    width: int = 64
+    heads: int = 4
+    layers: int = 4
+    dropout: float = 0.1
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention in which a token sees only the tokens before it."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.heads = config.heads
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.width, 3 * config.width)
+        self.out = nn.Linear(config.width, config.width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, length, width = x.shape
+        q, k, v = (
+            part.reshape(batch, length, self.heads, width // self.heads).transpose(1, 2)
+            for part in self.qkv(x).split(width, dim=2)
+        )
+        dropout = self.dropout if self.training else 0.0
+        y = functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        output: Tensor = self.out(y.transpose(1, 2).reshape(batch, length, width))
+        return output
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: attention, then a two-layer MLP, each with a residual."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.width)
+        self.attention = CausalSelfAttention(config)
+        self.norm2 = nn.LayerNorm(config.width)
+        self.mlp = nn.Sequential(
+            nn.Linear(config.width, 4 * config.width),
+            nn.GELU(),
+            nn.Linear(4 * config.width, config.width),
+            nn.Dropout(config.dropout),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attention(self.norm1(x))
+        output: Tensor = x + self.mlp(self.norm2(x))
+        return output
+
+
+class GPT(nn.Module):
+    """A small GPT: token and position embeddings, blocks, and a head tied to the embedding."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(config.vocabulary, config.width)
+        self.positions = nn.Embedding(config.context, config.width)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
+        self.norm = nn.LayerNorm(config.width)
+        self.head = nn.Linear(config.width, config.vocabulary, bias=False)
+        self.head.weight = self.tokens.weight
+        for name, parameter in self.named_parameters():
+            if parameter.dim() > 1:  # embeddings and linear weights, as GPT-2 initializes them
+                nn.init.normal_(parameter, std=0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(parameter)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tokens(tokens) + self.positions(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits: Tensor = self.head(self.norm(x))
+        return logits
+
+
+@attrs.frozen
+class Settings:
+    """What one demo run does."""
+
+    steps: int = 40
+    batch: int = 16
+    learning_rate: float = 3e-3
+    config: GPTConfig = GPTConfig()
+
+
+def synthetic_batch(config: GPTConfig, batch: int, rank: int, step: int) -> tuple[Tensor, Tensor]:
+    """Sequences that count up mod the vocabulary from a random start, by a random stride.
+
+    Predicting the next token means finding the stride in the context, so the loss
+    falls well below ln(vocabulary) within a few dozen steps. Each rank and step
+    draws its own batch.
+    """
+    generator = torch.Generator().manual_seed(1_000 * step + rank)
+    start = torch.randint(0, config.vocabulary, (batch, 1), generator=generator)
+    stride = torch.randint(1, 6, (batch, 1), generator=generator)
+    sequence = (start + stride * torch.arange(config.context + 1)) % config.vocabulary
+    return sequence[:, :-1], sequence[:, 1:]
+
+
+def _loss(model: nn.Module, tokens: Tensor, targets: Tensor) -> Tensor:
+    logits: Tensor = model(tokens)
+    return functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _compare_with_ddp(
+    model: GPT, reference: GPT, tokens: Tensor, targets: Tensor, seed: int
+) -> tuple[Tensor, float]:
+    """Backward one batch through ``model`` and a DDP copy; the loss and largest grad gap."""
+    ddp = DistributedDataParallel(reference)
+    manual_seed(seed)
+    loss = _loss(model, tokens, targets)
+    torch.autograd.backward(loss)
+    manual_seed(seed)
+    torch.autograd.backward(_loss(ddp, tokens, targets))
+    worst = 0.0
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        if mine.grad is None or theirs.grad is None:
+            worst = math.inf
+            break
+        worst = max(worst, float((mine.grad - theirs.grad).abs().max()))
+    gap = torch.tensor([worst])
+    all_reduce_blocking(gap, dist.ReduceOp.MAX)
+    return loss.detach(), float(gap)
+
+
+class _ProgressBar:
+    """A one-line bar with the loss, redrawn in place on a terminal, every tenth step otherwise."""
+
+    def __init__(self, total: int, width: int = 30) -> None:
+        self.total = total
+        self.width = width
+        self.started = time.perf_counter()
+        self.interactive = sys.stdout.isatty()
+
+    def show(self, done: int, loss: float) -> None:
+        if not self.interactive and done % max(1, self.total // 10) and done != self.total:
+            return
+        filled = self.width * done // self.total
+        bar = "#" * filled + "-" * (self.width - filled)
+        elapsed = time.perf_counter() - self.started
+        count = f"{done:>{len(str(self.total))}}/{self.total}"
+        line = f"[{bar}] {count}  loss {loss:6.3f}  {elapsed:5.1f} s"
+        end = "\n" if done == self.total or not self.interactive else ""
+        print(("\r" if self.interactive else "") + line, end=end, flush=True)
+
+
+def _record_lines(rank: int, model: GPT) -> list[str]:
+    state = replicate.state(model)
+    sizes = " + ".join(str(len(bucket)) for bucket in state.buckets)
+    group = state.process_group
+    where = "no group" if group is None else f"{group.name()} rank {group.rank()} of {group.size()}"
+    lines = [
+        f"rank {rank}  replicate   on GPT: {where}, {len(state.buckets)} bucket(s) of {sizes} "
+        f"parameters, step={state.step}, sync_gradients={state.sync_gradients}"
+    ]
+    for index, block in enumerate(model.blocks):
+        record = checkpoint.state(block)
+        lines.append(
+            f"rank {rank}  checkpoint  on blocks.{index}: use_reentrant={record.use_reentrant}, "
+            f"preserve_rng_state={record.preserve_rng_state}, enabled={record.enabled}"
+        )
+    return lines
+
+
+@attrs.frozen
+class Outcome:
+    """What one rank saw: the loss (averaged over ranks) first and last, and the DDP gap."""
+
+    first_loss: float
+    final_loss: float
+    ddp_gradient_gap: float
+
+
+def train(rank: int, world_size: int, settings: Settings) -> Outcome:
+    """Train the demo GPT on this rank of the current process group.
+
+    Rank 0 prints the progress bar and the report.
+    """
+    config = settings.config
+    manual_seed(0)
+    model = GPT(config)
+    reference = copy.deepcopy(model)  # a copy carries no API state: the DDP baseline
+    for block in model.blocks:
+        checkpoint(block)
+    replicate(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate)
+    bar = _ProgressBar(settings.steps) if rank == 0 else None
+    losses: list[float] = []
+
+    tokens, targets = synthetic_batch(config, settings.batch, rank, 0)
+    loss, gap = _compare_with_ddp(model, reference, tokens, targets, seed=rank)
+    del reference
+    for step in range(settings.steps):
+        if step > 0:
+            tokens, targets = synthetic_batch(config, settings.batch, rank, step)
+            manual_seed(1_000_000 * rank + step)
+            loss = _loss(model, tokens, targets)
+            torch.autograd.backward(loss)
+        optimizer_step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        mean = loss.detach().clone()
+        all_reduce_blocking(mean)
+        losses.append(float(mean) / world_size)
+        if bar is not None:
+            bar.show(step + 1, losses[-1])
+
+    lines = all_gather_objects(_record_lines(rank, model))
+    if rank == 0:
+        parameters = sum(p.numel() for p in model.parameters())
+        print(f"\ndescribe(model)  ({parameters:,} parameters, {world_size} ranks, gloo)")
+        print(describe(model))
+        print("\nregistry(model):", ", ".join(entry.api.name for entry in registry(model).values()))
+        print("\nper-rank state")
+        for rank_lines in lines:
+            print("\n".join(f"  {line}" for line in _strings(rank_lines)))
+        verdict = "yes" if gap <= 1e-6 else "NO"
+        print(
+            f"\ngradients matched DistributedDataParallel's on the first step: {verdict} "
+            f"(largest difference {gap:.1e} over all ranks, tolerance 1e-6)"
+        )
+    return Outcome(losses[0], losses[-1], gap)
+
+
+def _strings(value: object) -> list[str]:
+    if isinstance(value, list):
+        return [str(item) for item in cast(list[object], value)]
+    return [str(value)]
+
+
+def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m torchcontract.demo",
+        description="Train a small GPT with replicate and checkpoint on local gloo processes.",
+    )
+    parser.add_argument("--nproc", type=int, default=2, help="processes to start (default 2)")
+    parser.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the demo: under torchrun as one of its ranks, otherwise by starting ``--nproc``."""
+    arguments = _arguments(argv)
+    if arguments.nproc < 1 or arguments.steps < 1:
+        raise SystemExit("--nproc and --steps must be at least 1")
+    settings = Settings(steps=arguments.steps)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")  # env://, as torchrun sets it up
+        try:
+            train(dist.get_rank(), dist.get_world_size(), settings)
+        finally:
+            dist.destroy_process_group()
+        return
+    started = time.perf_counter()
+    print(
+        f"training a small GPT on {arguments.nproc} gloo processes for {settings.steps} steps: "
+        "replicate on the model, checkpoint on each block",
+        flush=True,
+    )
+    run_distributed(train, arguments.nproc, timeout=600.0, args=(settings,))
+    print(f"\ndone in {time.perf_counter() - started:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

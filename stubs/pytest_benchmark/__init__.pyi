@@ -1,0 +1,1 @@
+# The parts of pytest-benchmark that the benchmarks use; the package ships no annotations.

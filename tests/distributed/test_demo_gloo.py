@@ -1,0 +1,67 @@
+"""The demo on two gloo ranks: it trains, matches DDP, and prints its report, also via torchrun."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchcontract.demo import Outcome, Settings, train
+from torchcontract.testing import run_distributed
+
+REPORT_LINES = (
+    "describe(model)",
+    "GPT  [replicate]",
+    "0-3: Block ×4  [checkpoint]",
+    "rank 0  replicate   on GPT: gloo rank 0 of 2",
+    "rank 1  replicate   on GPT: gloo rank 1 of 2",
+    "rank 1  checkpoint  on blocks.3: use_reentrant=False",
+    "gradients matched DistributedDataParallel's on the first step: yes",
+)
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> list[Outcome]:
+    return run_distributed(train, 2, timeout=120.0, args=(Settings(steps=8),))
+
+
+def test_first_step_gradients_match_ddp_on_every_rank(outcomes: list[Outcome]) -> None:
+    assert [outcome.ddp_gradient_gap <= 1e-6 for outcome in outcomes] == [True, True]
+
+
+def test_loss_falls_from_chance_level(outcomes: list[Outcome]) -> None:
+    for outcome in outcomes:
+        assert outcome.first_loss == pytest.approx(math.log(64), abs=0.2)
+        assert outcome.final_loss < outcome.first_loss - 0.2
+
+
+def test_ranks_report_the_same_averaged_loss(outcomes: list[Outcome]) -> None:
+    assert outcomes[0].final_loss == outcomes[1].final_loss
+
+
+def _run(command: list[str]) -> str:
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=180, env=environment, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_demo_command_prints_the_report() -> None:
+    output = _run([sys.executable, "-m", "torchcontract.demo", "--nproc", "2", "--steps", "3"])
+    assert "[##############################] 3/3  loss" in output
+    for line in REPORT_LINES:
+        assert line in output
+
+
+def test_demo_under_torchrun_prints_the_report() -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    launcher = [str(torchrun), "--standalone", "--nproc-per-node", "2"]
+    output = _run([*launcher, "-m", "torchcontract.demo", "--steps", "3"])
+    for line in REPORT_LINES:
+        assert line in output

@@ -1,0 +1,170 @@
+"""Models built, given APIs and dropped, a thousand times over: nothing stays behind.
+
+The store and the registry hold modules weakly, so a dropped model's records go
+with it: the store ends empty, a weak reference to every model is dead, and the
+memory Python traces stays flat after a warm-up, whether the applies succeeded,
+shared one record over a list of modules, or failed half-way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import tracemalloc
+import weakref
+from collections.abc import Callable
+
+import pytest
+import torch
+from strategies import Count, bump
+from torch import nn
+
+from torchcontract import StateStore, contract, registry
+from torchcontract._registry import REGISTRY
+
+ROUNDS = 1_000
+WARM_UP = 200
+#: Traced bytes a thousand rounds may add. Interpreter caches and free lists move
+#: by up to 16 KB here; one leaked int per round already adds about 40 KB, one
+#: leaked Linear module over a megabyte.
+SLACK = 32 * 1024
+
+STORE = StateStore()
+
+
+def _count_calls(
+    ref: weakref.ref[nn.Module],
+) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
+    """A forward pre-hook that reaches its module only through ``ref``."""
+
+    def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        owner = ref()
+        if owner is not None:
+            counted.update(owner, bump)
+
+    return hook
+
+
+@contract(Count, store=STORE)
+def counted(module: nn.Module) -> None:
+    module.register_forward_pre_hook(_count_calls(weakref.ref(module)))
+
+
+@contract(Count, store=STORE)
+def tagged(module: nn.Module, *, tag: str) -> None:
+    tagged.update(module, bump)
+
+
+@contract(Count, store=STORE)
+def shared(modules: list[nn.Module]) -> None:
+    shared.update(modules[0], bump)
+
+
+@contract(Count, store=STORE)
+def failing(module: nn.Module) -> None:
+    failing.set_state(module, Count(3))
+    tagged(module.get_submodule("0"), tag="nested")
+    counted.update(module, bump)
+    raise ValueError("failing always fails")
+
+
+def _model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+
+
+def _three_apis() -> nn.Module:
+    model = _model()
+    counted(model)
+    tagged(model[0], tag="first")
+    shared([model[0], model[2]])
+    return model
+
+
+def _list_apply() -> nn.Module:
+    model = _model()
+    shared([model[0], model[1], model[2]])
+    tagged(model, tag="root")
+    return model
+
+
+def _failed_apply() -> nn.Module:
+    model = _model()
+    counted(model)
+    with contextlib.suppress(ValueError):
+        failing(model)
+    return model
+
+
+SCENARIOS = [_three_apis, _list_apply, _failed_apply]
+
+
+@pytest.fixture(autouse=True)
+def empty_store() -> None:
+    """Start every test from an empty store, so it can show the store ends empty."""
+    gc.collect()
+    assert len(STORE) == 0
+
+
+@pytest.mark.parametrize("build", SCENARIOS, ids=lambda build: build.__name__.strip("_"))
+def test_dropped_models_leave_nothing_in_the_store_or_registry(
+    build: Callable[[], nn.Module],
+) -> None:
+    registered = len(REGISTRY)
+    models = [weakref.ref(build()) for _ in range(ROUNDS)]
+    gc.collect()
+    assert [ref for ref in models if ref() is not None] == []
+    assert len(STORE) == 0
+    assert len(REGISTRY) == registered
+
+
+@pytest.mark.parametrize("build", SCENARIOS, ids=lambda build: build.__name__.strip("_"))
+def test_traced_memory_does_not_grow_over_a_thousand_models(
+    build: Callable[[], nn.Module],
+) -> None:
+    tracemalloc.start()
+    try:
+        for _ in range(WARM_UP):
+            build()
+        gc.collect()
+        start, _ = tracemalloc.get_traced_memory()
+        for _ in range(ROUNDS):
+            build()
+        gc.collect()
+        end, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert end - start < SLACK, f"{end - start} bytes more after {ROUNDS} models"
+
+
+def test_models_die_without_the_cycle_collector() -> None:
+    # The library adds no reference cycle through a module, and a hook that reaches
+    # its module through a weak reference adds none either: dropping the last
+    # reference frees the model at once.
+    alive = []
+    gc.disable()
+    try:
+        for build in SCENARIOS:
+            model = build()
+            model(torch.zeros(1, 2))
+            ref = weakref.ref(model)
+            del model
+            alive.append(ref() is not None)
+        held = len(STORE)
+    finally:
+        gc.enable()
+    assert alive == [False, False, False]
+    assert held == 0
+
+
+def test_hooks_reaching_the_module_by_weak_reference_do_not_keep_it_alive() -> None:
+    model = _model()
+    counted(model)
+    model(torch.zeros(1, 2))
+    assert counted.state(model) == Count(1)
+    assert len(STORE) == 1
+    assert list(registry(model)) == [counted]
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+    assert len(STORE) == 0

@@ -1,0 +1,248 @@
+"""torchcontract.testing: run_distributed's process handling, check_api_invariants' checks."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from torchcontract import contract
+from torchcontract.apis import checkpoint
+from torchcontract.testing import (
+    ModelCase,
+    RankFailedError,
+    check_api_invariants,
+    free_port,
+    run_distributed,
+)
+
+# ----------------------------------------------------------------- rank functions
+
+
+def _who(rank: int, world_size: int) -> tuple[int, int, int, int, str]:
+    return rank, world_size, dist.get_rank(), dist.get_world_size(), dist.get_backend()
+
+
+def _sum_over_ranks(rank: int, world_size: int, base: float) -> float:
+    value = torch.tensor([base + rank])
+    dist.all_reduce(value)
+    return float(value)
+
+
+def _fail_on_rank_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("rank one refuses")
+    dist.barrier()  # waits for rank 1, which never comes: killed, not timed out
+
+
+def _sleep_and_record_pid(rank: int, world_size: int, directory: str) -> None:
+    Path(directory, f"rank{rank}.pid").write_text(str(os.getpid()))
+    time.sleep(120)
+
+
+def _exit_without_reporting(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os._exit(3)
+
+
+class UnpicklableError(Exception):
+    def __init__(self) -> None:
+        super().__init__("holds a lock")
+        self.lock = threading.Lock()
+
+
+def _raise_unpicklable(rank: int, world_size: int) -> None:
+    raise UnpicklableError
+
+
+# ----------------------------------------------------------------- run_distributed
+
+
+def test_results_come_back_in_rank_order() -> None:
+    assert run_distributed(_who, 2) == [(0, 2, 0, 2, "gloo"), (1, 2, 1, 2, "gloo")]
+
+
+def test_args_reach_every_rank_and_collectives_work() -> None:
+    assert run_distributed(_sum_over_ranks, 2, args=(10.0,)) == [21.0, 21.0]
+
+
+def test_single_rank_group_works() -> None:
+    assert run_distributed(_who, 1) == [(0, 1, 0, 1, "gloo")]
+
+
+def test_spawn_start_method_works() -> None:
+    assert run_distributed(_who, 2, start_method="spawn") == [
+        (0, 2, 0, 2, "gloo"),
+        (1, 2, 1, 2, "gloo"),
+    ]
+
+
+def test_rank_exception_is_reraised_with_its_type() -> None:
+    with pytest.raises(ValueError, match="rank one refuses"):
+        run_distributed(_fail_on_rank_one, 2, timeout=60.0)
+
+
+def test_reraised_exception_carries_the_rank_traceback_and_a_note() -> None:
+    with pytest.raises(ValueError, match="rank one refuses") as caught:
+        run_distributed(_fail_on_rank_one, 2, timeout=60.0)
+    cause = caught.value.__cause__
+    assert isinstance(cause, RankFailedError)
+    assert "rank 1 of 2 raised" in str(cause)
+    assert "in _fail_on_rank_one" in str(cause)
+    assert 'raise ValueError("rank one refuses")' in str(cause)
+    assert "raised on rank 1 of 2" in " ".join(caught.value.__notes__)
+
+
+def test_hung_ranks_raise_timeout_error_naming_them(tmp_path: Path) -> None:
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish"):
+        run_distributed(_sleep_and_record_pid, 2, timeout=1.0, args=(str(tmp_path),))
+
+
+def test_hung_ranks_are_killed_at_the_timeout(tmp_path: Path) -> None:
+    with pytest.raises(TimeoutError):
+        run_distributed(_sleep_and_record_pid, 2, timeout=3.0, args=(str(tmp_path),))
+    pids = [int(path.read_text()) for path in sorted(tmp_path.glob("rank*.pid"))]
+    assert len(pids) == 2
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_rank_that_exits_without_reporting_raises_rank_failed_error() -> None:
+    with pytest.raises(RankFailedError, match="rank 1 of 2 exited with code 3"):
+        run_distributed(_exit_without_reporting, 2)
+
+
+def test_unpicklable_exception_is_reported_with_its_traceback() -> None:
+    with pytest.raises(RankFailedError, match=r"rank \d of 2 raised:(.|\n)*UnpicklableError"):
+        run_distributed(_raise_unpicklable, 2)
+
+
+def test_local_function_is_rejected_before_any_rank_starts() -> None:
+    def local(rank: int, world_size: int) -> None:
+        pass
+
+    with pytest.raises(TypeError, match="pass a module-level function"):
+        run_distributed(local, 2)
+
+
+def test_world_size_below_one_is_rejected() -> None:
+    with pytest.raises(ValueError, match="world_size must be at least 1"):
+        run_distributed(_who, 0)
+
+
+def test_free_port_can_be_bound() -> None:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", free_port()))
+
+
+# ----------------------------------------------------------------- check_api_invariants
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Dropout(0.3))
+        self.second = nn.Linear(12, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.second(self.first(x))
+        return out
+
+
+def _inputs() -> tuple[Tensor]:
+    return (torch.randn(5, 6),)
+
+
+def _inputs_requiring_grad() -> tuple[Tensor]:
+    return (torch.randn(5, 6, requires_grad=True),)
+
+
+CASE = ModelCase(Net, _inputs)
+
+
+def _double(module: nn.Module, args: object, output: Tensor) -> Tensor:
+    return output * 2
+
+
+@contract()
+def doubling(module: nn.Module) -> None:
+    module.register_forward_hook(_double)
+
+
+@contract()
+def cyclic(module: nn.Module) -> None:
+    def hook(child: nn.Module, args: object, output: Tensor) -> None:
+        assert module is not None  # the closure holds the module: a reference cycle
+
+    module.register_forward_hook(hook)
+
+
+def _extra_key(
+    module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: dict[str, Any]
+) -> None:
+    state[prefix + "extra"] = torch.zeros(1)
+
+
+@contract()
+def renaming(module: nn.Module) -> None:
+    hooked: Any = module  # torch leaves this method unannotated
+    hooked.register_state_dict_post_hook(_extra_key)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpoint_passes_the_invariants(use_reentrant: bool) -> None:
+    # A reentrant region needs an input that requires grad to give parameters gradients.
+    case = ModelCase(Net, _inputs_requiring_grad)
+    report = check_api_invariants(checkpoint, case, use_reentrant=use_reentrant)
+    assert report.parameters == 4
+    assert report.output_difference <= 1e-6
+    assert report.gradient_difference <= 1e-6
+
+
+def test_checkpoint_on_a_submodule_passes_the_invariants() -> None:
+    case = ModelCase(Net, _inputs, target=lambda net: net.first)
+    assert check_api_invariants(checkpoint, case).gradient_difference <= 1e-6
+
+
+def test_api_that_changes_the_output_fails() -> None:
+    with pytest.raises(AssertionError, match="doubling changed the forward output by"):
+        check_api_invariants(doubling, CASE)
+
+
+def test_api_allowed_to_change_numerics_passes_with_its_differences() -> None:
+    report = check_api_invariants(doubling, ModelCase(Net, _inputs, same_numerics=False))
+    assert report.output_difference > 0
+    assert report.gradient_difference > 0
+
+
+def test_api_whose_hook_holds_its_module_fails_as_a_cycle() -> None:
+    with pytest.raises(AssertionError, match="a reference cycle"):
+        check_api_invariants(cyclic, CASE)
+
+
+def test_api_that_changes_state_dict_keys_fails() -> None:
+    with pytest.raises(AssertionError, match="renaming changed the state_dict keys"):
+        check_api_invariants(renaming, CASE)
+
+
+def test_nondeterministic_model_builder_fails() -> None:
+    counter = iter(range(100))
+
+    def drifting() -> Net:
+        net = Net()
+        with torch.no_grad():
+            net.second.bias.fill_(next(counter))
+        return net
+
+    with pytest.raises(AssertionError, match="make_model built different values"):
+        check_api_invariants(checkpoint, ModelCase(drifting, _inputs))
