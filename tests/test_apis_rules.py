@@ -65,7 +65,7 @@ def test_reentrant_checkpoint_inside_then_replicate_around_fails() -> None:
         replicate(model)
     message = str(caught.value)
     assert "replicate.replicate cannot be combined with torchcontract.apis.checkpoint" in message
-    assert "already applied on Sequential, inside Model" in message
+    assert "already applied on Sequential 'encoder', inside Model" in message
 
 
 def test_replicate_around_then_reentrant_checkpoint_inside_fails() -> None:
@@ -117,6 +117,6 @@ def test_torch_replicate_inside_then_ours_around_fails() -> None:
     with pytest.raises(IncompatibleAPIError) as caught:
         replicate(model)
     message = str(caught.value)
-    assert "replicate.replicate cannot be combined with replicate" in message
+    assert "replicate.replicate cannot be combined with torch's replicate" in message
     # torch's replicate swaps the class for a subclass named DDP<class>.
-    assert "already applied on DDPLinear, inside Model" in message
+    assert "already applied on DDPLinear 'head', inside Model" in message

@@ -139,7 +139,7 @@ def test_rule_fires_for_an_api_already_applied_inside() -> None:
     marked(model.l1)
     message = _conflict(lambda: exclusive(model))
     assert f"{exclusive.name} cannot be combined with {marked.name}" in message
-    assert "already applied on Linear, inside TwoLayer;" in message
+    assert "already applied on Linear 'l1', inside TwoLayer;" in message
 
 
 def test_rule_fires_for_an_api_already_applied_around() -> None:
@@ -288,7 +288,7 @@ def test_rule_naming_a_torch_api_fires_after_torch_applied_it() -> None:
     torch_checkpoint(layer)
     message = _conflict(lambda: needs_plain_forward(layer))
     assert message.startswith(
-        f"{needs_plain_forward.name} cannot be combined with checkpoint, "
+        f"{needs_plain_forward.name} cannot be combined with torch's checkpoint, "
         "already applied on the same module, Linear;"
     )
     assert not needs_plain_forward.is_applied(layer)
@@ -298,7 +298,7 @@ def test_rule_naming_a_torch_api_fires_for_torch_applied_inside() -> None:
     model = TwoLayer()
     torch_checkpoint(model.l2)
     message = _conflict(lambda: needs_plain_forward(model))
-    assert "cannot be combined with checkpoint, already applied on Linear, inside TwoLayer" in (
+    assert "cannot be combined with torch's checkpoint, already applied on Linear 'l2', inside TwoLayer" in (
         message
     )
 

@@ -149,7 +149,7 @@ class Contract(Generic[_P, _R, _S]):
         """Check rules, then install one shared default record and the entry on every target."""
         cell = Cell(self.state_cls())
         with WRITE_LOCK:
-            check_compatible(entry, targets, [s.modules for s in before], module_label)
+            check_compatible(entry, targets, before, module_label)
             # Refuse before writing anything: lock-free readers on other threads must
             # never see a list apply installed on some targets and then taken back.
             for target in targets:

@@ -16,6 +16,7 @@ import attrs
 from torch import nn
 
 from ._errors import IncompatibleAPIError
+from ._fqn import FQNSnapshot
 from ._store import ModuleTable
 
 if TYPE_CHECKING:
@@ -24,8 +25,13 @@ if TYPE_CHECKING:
 __all__ = ["REGISTRY", "Incompatible", "RegistryEntry", "check_compatible", "registry"]
 
 
+_NO_KWARGS: Mapping[str, Any] = MappingProxyType({})
+
+
 def _read_only(kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
-    return MappingProxyType(dict(kwargs))
+    # Most applications pass no keyword arguments: they share one empty mapping,
+    # which saves two objects per entry, kept as long as the module lives.
+    return MappingProxyType(dict(kwargs)) if kwargs else _NO_KWARGS
 
 
 @attrs.frozen(eq=False)
@@ -113,23 +119,29 @@ def _rules_between(new: RegistryEntry, old: RegistryEntry) -> Iterator[Incompati
 def check_compatible(
     entry: RegistryEntry,
     targets: Sequence[nn.Module],
-    subtrees: Sequence[Sequence[nn.Module]],
+    snapshots: Sequence[FQNSnapshot],
     label: Callable[[nn.Module], str],
 ) -> None:
     """Raise ``IncompatibleAPIError`` if ``entry`` may not be applied to ``targets``.
 
-    ``subtrees[i]`` lists the modules of ``targets[i]``'s tree, the target first.
+    ``snapshots[i]`` is the FQN snapshot of ``targets[i]``; it names what is inside.
     """
     api = entry.api
     if not api.rules and not api.ruled_by:
         return
-    for target, subtree in zip(targets, subtrees, strict=True):
-        for module, relation in _neighbours(api, target, subtree):
+    for target, snapshot in zip(targets, snapshots, strict=True):
+        inside = dict(zip(map(id, snapshot.modules), snapshot.module_fqns, strict=True))
+
+        for module, relation in _neighbours(target, snapshot.modules):
             for old in REGISTRY.row(module).values():
                 for rule in _rules_between(entry, old):
                     if relation == "same" or rule.scope == "tree":
                         raise _conflict(
-                            api.name, old.api.name, target, module, relation=relation, label=label
+                            api.name,
+                            old.api.name,
+                            label(target),
+                            _name_in(module, relation, inside, label),
+                            relation,
                         )
             for rule in api.rules:
                 if (
@@ -138,13 +150,24 @@ def check_compatible(
                     and rule.other in torch_registry(module)
                 ):
                     raise _conflict(
-                        api.name, rule.other, target, module, relation=relation, label=label
+                        api.name,
+                        f"torch's {rule.other}",
+                        label(target),
+                        _name_in(module, relation, inside, label),
+                        relation,
                     )
 
 
-def _neighbours(
-    api: AnyContract, target: nn.Module, subtree: Sequence[nn.Module]
-) -> Iterator[tuple[nn.Module, str]]:
+def _name_in(
+    module: nn.Module, relation: str, inside: dict[int, str], label: Callable[[nn.Module], str]
+) -> str:
+    """``Linear 'l1'`` for a module inside the target, by its FQN there; else its label."""
+    if relation == "inside":
+        return f"{type(module).__qualname__} {inside[id(module)]!r}"
+    return label(module)
+
+
+def _neighbours(target: nn.Module, subtree: Sequence[nn.Module]) -> Iterator[tuple[nn.Module, str]]:
     """The target, its descendants, and the registered modules that contain it."""
     yield target, "same"
     seen = {id(target)}
@@ -171,18 +194,13 @@ def _iter_tree(root: nn.Module) -> Iterable[nn.Module]:
 
 
 def _conflict(
-    new_name: str,
-    old_name: str,
-    target: nn.Module,
-    module: nn.Module,
-    *,
-    relation: str,
-    label: Callable[[nn.Module], str],
+    new_name: str, old_name: str, target: str, module: str, relation: str
 ) -> IncompatibleAPIError:
+    """The error for ``new_name`` on ``target`` meeting ``old_name`` on ``module``."""
     where = {
-        "same": f"on the same module, {label(target)}",
-        "inside": f"on {label(module)}, inside {label(target)}",
-        "around": f"on {label(module)}, which contains {label(target)}",
+        "same": f"on the same module, {target}",
+        "inside": f"on {module}, inside {target}",
+        "around": f"on {module}, which contains {target}",
     }[relation]
     return IncompatibleAPIError(
         f"{new_name} cannot be combined with {old_name}, already applied {where}; "
