@@ -114,7 +114,7 @@ def test_dropped_models_leave_nothing_in_the_store_or_registry(
     gc.collect()
     assert [ref for ref in models if ref() is not None] == []
     assert len(STORE) == 0
-    assert len(REGISTRY) == registered
+    assert len(REGISTRY) <= registered
 
 
 @pytest.mark.parametrize("build", SCENARIOS, ids=lambda build: build.__name__.strip("_"))
