@@ -147,3 +147,17 @@ def test_any_run_of_alike_siblings_is_one_line(count: int, applied: bool) -> Non
         shard(model[count])
         expected = f"Sequential\n  0-{count - 1}: Linear ×{count}\n  {count}: ReLU  [shard]"
     assert describe(model) == expected
+
+
+def test_named_siblings_are_never_merged_even_when_alike() -> None:
+    model = nn.Module()
+    model.tokens = nn.Embedding(3, 2)
+    model.positions = nn.Embedding(3, 2)
+    shard(model)
+    assert describe(model) == "Module  [shard]\n  tokens: Embedding\n  positions: Embedding"
+
+
+def test_numbered_siblings_merge_only_when_consecutive() -> None:
+    model = nn.ModuleDict({"0": nn.Linear(2, 2), "2": nn.Linear(2, 2), "3": nn.Linear(2, 2)})
+    shard(model)
+    assert describe(model) == "ModuleDict  [shard]\n  0: Linear\n  2-3: Linear ×2"

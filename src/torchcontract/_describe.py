@@ -55,8 +55,8 @@ def describe(module: nn.Module) -> str:
     """The module tree, compact: which APIs are applied where.
 
     One line per module, ``name: Class  [apis]``. A subtree without any API is a
-    single line with its module count; a run of siblings that render alike is
-    merged into one line (``0-511: Block ×512``).
+    single line with its module count; a run of numbered siblings (as in a
+    ``ModuleList``) that render alike is merged into one line (``0-511: Block ×512``).
     """
     return "\n".join(_Renderer(module).render(type(module).__qualname__, module, ""))
 
@@ -98,7 +98,7 @@ class _Renderer:
         start = 0
         while start < len(blocks):
             end = start + 1
-            while end < len(blocks) and blocks[end][1] == blocks[start][1]:
+            while end < len(blocks) and _continues(blocks[end - 1], blocks[end]):
                 end += 1
             first, block = blocks[start]
             label = first if end - start == 1 else f"{first}-{blocks[end - 1][0]}"
@@ -109,6 +109,17 @@ class _Renderer:
             lines.extend(block[1:])
             start = end
         return lines
+
+
+def _continues(previous: tuple[str, list[str]], this: tuple[str, list[str]]) -> bool:
+    """Whether ``this`` sibling extends a run: the next number, rendered the same."""
+    (before, lines_before), (name, lines) = previous, this
+    return (
+        before.isdigit()
+        and name.isdigit()
+        and int(name) == int(before) + 1
+        and lines == lines_before
+    )
 
 
 def _children(module: nn.Module) -> list[nn.Module]:
