@@ -153,11 +153,15 @@ def test_named_siblings_are_never_merged_even_when_alike() -> None:
     model = nn.Module()
     model.tokens = nn.Embedding(3, 2)
     model.positions = nn.Embedding(3, 2)
-    shard(model)
-    assert describe(model) == "Module  [shard]\n  tokens: Embedding\n  positions: Embedding"
+    shard(model.tokens)
+    shard(model.positions)
+    assert describe(model) == (
+        "Module\n  tokens: Embedding  [shard]\n  positions: Embedding  [shard]"
+    )
 
 
 def test_numbered_siblings_merge_only_when_consecutive() -> None:
     model = nn.ModuleDict({"0": nn.Linear(2, 2), "2": nn.Linear(2, 2), "3": nn.Linear(2, 2)})
-    shard(model)
-    assert describe(model) == "ModuleDict  [shard]\n  0: Linear\n  2-3: Linear ×2"
+    for layer in model.values():
+        shard(layer)
+    assert describe(model) == "ModuleDict\n  0: Linear  [shard]\n  2-3: Linear ×2  [shard]"
