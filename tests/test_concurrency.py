@@ -7,6 +7,7 @@ to show.
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
@@ -326,3 +327,37 @@ def test_list_apply_refused_as_already_applied_is_never_visible(crowd: Crowd) ->
         )
         assert not GUARDED.is_applied(free)
         assert list(registry(free)) == []
+
+
+CHURN_STORE = StateStore()
+
+
+@contract(Count, store=CHURN_STORE)
+def churned(module: nn.Module) -> None:
+    churned.update(module, bump)
+
+
+def _churn(times: int) -> int:
+    """Build, apply, update and drop modules; return how many ended with a wrong record."""
+    wrong = 0
+    for step in range(times):
+        module = nn.Linear(1, 1)
+        if churned.get_state(module) is not None:
+            wrong += 1  # a new module never inherits a dead one's record
+        churned(module)
+        churned.update(module, bump)
+        wrong += churned.state(module) != Count(2)
+        if step % 8 == 0:
+            gc.collect(0)
+    return wrong
+
+
+def test_modules_dying_on_other_threads_during_writes_leave_the_store_empty(
+    crowd: Crowd,
+) -> None:
+    for _ in range(ROUNDS // 4):
+        outcomes = crowd.run([partial(_churn, 20) for _ in range(THREADS)])
+        assert _errors(outcomes) == []
+        assert [outcome.value for outcome in outcomes] == [0] * THREADS
+    gc.collect()
+    assert len(CHURN_STORE) == 0

@@ -168,3 +168,20 @@ def test_hooks_reaching_the_module_by_weak_reference_do_not_keep_it_alive() -> N
     gc.collect()
     assert ref() is None
     assert len(STORE) == 0
+
+
+def test_module_reusing_a_dead_modules_id_starts_without_state() -> None:
+    reused = 0
+    for _ in range(200):
+        module = nn.Linear(1, 1)
+        tagged(module, tag="old")
+        dead = id(module)
+        del module
+        module = nn.Linear(1, 1)
+        if id(module) == dead:
+            reused += 1
+            assert not tagged.is_applied(module)
+            assert tagged.get_state(module) is None
+            assert list(registry(module)) == []
+            assert dict(STORE.records(module)) == {}
+    assert reused > 0  # CPython hands the freed memory straight back

@@ -105,7 +105,10 @@ class ModuleTable(Generic[_K, _V]):
             elif key in slot.items:
                 return False
             slot.items[key] = value
-            self._columns.setdefault(key, {})[id(module)] = value
+            column = self._columns.get(key)
+            if column is None:
+                column = self._columns[key] = {}
+            column[id(module)] = value
             journal_undo(lambda: self._discard(module, key))
             return True
 
@@ -165,7 +168,8 @@ def check_holds_no_module(
     """Raise ``error`` if ``record`` holds an ``nn.Module`` in one of its fields.
 
     A value that references its own key keeps it alive forever in a weak-keyed
-    store, so modules are refused in fields and in built-in containers inside them.
+    store, so modules are refused in fields, in built-in containers inside them and
+    in nested attrs records.
     ``error`` is ``InvalidRecordError`` for a record being stored, and
     ``InvalidStateClassError`` for the default record checked at decoration.
     """
