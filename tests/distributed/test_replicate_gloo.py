@@ -311,7 +311,7 @@ def test_reentrant_checkpoint_then_replicate_fails_naming_both(ranks: list[Resul
         message = rank["rules"][0]
         assert message.startswith("IncompatibleAPIError: torchcontract.apis.replicate.replicate")
         assert "torchcontract.apis.checkpoint.checkpoint" in message
-        assert "on Block, inside Net" in message
+        assert "on Block 'blocks.0', inside Net" in message
 
 
 def test_replicate_then_reentrant_checkpoint_fails_naming_both(ranks: list[Results]) -> None:
