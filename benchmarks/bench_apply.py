@@ -23,9 +23,14 @@ ROOT_SIZES = (8, 16, 32, 64, 128, 256, 512)
 SIZES = (8, 64, 512)
 
 
+#: Root apply carries the growth target, whose two medians come from different
+#: moments of the run: more rounds there make them steadier on a shared machine.
+ROOT_ROUNDS = 21
+
+
 def rounds_for(blocks: int) -> int:
     """Enough rounds for a steady median, few enough that building the models stays cheap."""
-    return 15 if blocks <= 64 else 9
+    return 21 if blocks <= 64 else 13
 
 
 @pytest.mark.parametrize("blocks", ROOT_SIZES)
@@ -46,7 +51,7 @@ def test_root_apply(benchmark: BenchmarkFixture, name: str, blocks: int) -> None
         blocks=blocks,
         modules=modules_in(blocks),
     )
-    time_once_per_model(benchmark, library.apply, prepare, rounds=rounds_for(blocks))
+    time_once_per_model(benchmark, library.apply, prepare, rounds=ROOT_ROUNDS)
 
 
 def _fsdp_pattern(library: Library, model: Model) -> None:

@@ -5,6 +5,7 @@ measures the contract itself: ``first`` (applied beforehand where a workload nee
 a model that already has an API), ``second`` (the one timed) and ``group`` (for
 list applies). The record of ``second`` counts calls: torchcontract replaces it
 through ``update`` with ``attrs.evolve``, torch mutates its state object in place.
+State is read as users write it, ``api.state(module)`` with the API a global.
 """
 
 from __future__ import annotations
@@ -70,14 +71,36 @@ def _count(record: Counter) -> Counter:
     return attrs.evolve(record, calls=record.calls + 1)
 
 
-def _ours_update(module: nn.Module) -> object:
-    return ours_second.update(module, _count)
+# What a user writes, spelled the same way for both libraries: the API is a global
+# and its state is reached through it on every call.
 
 
-def _torch_update(module: nn.Module) -> object:
-    state = torch_second.state(module)
-    state.calls += 1
-    return state
+def _ours_state_each(modules: list[nn.Module]) -> None:
+    for module in modules:
+        ours_second.state(module)
+
+
+def _torch_state_each(modules: list[nn.Module]) -> None:
+    for module in modules:
+        torch_second.state(module)
+
+
+def _ours_update_each(modules: list[nn.Module]) -> None:
+    for module in modules:
+        ours_second.update(module, _count)
+
+
+def _torch_update_each(modules: list[nn.Module]) -> None:
+    for module in modules:
+        torch_second.state(module).calls += 1
+
+
+def _ours_hook(module: nn.Module, args: tuple[object, ...]) -> None:
+    ours_second.state(module)
+
+
+def _torch_hook(module: nn.Module, args: tuple[object, ...]) -> None:
+    torch_second.state(module)
 
 
 @attrs.frozen
@@ -88,13 +111,30 @@ class Library:
     apply_first: Callable[[nn.Module], object]
     apply: Callable[[nn.Module], object]
     apply_list: Callable[[list[nn.Module]], object]
-    state: Callable[[nn.Module], object]
-    update: Callable[[nn.Module], object]
+    state_each: Callable[[list[nn.Module]], None]
+    update_each: Callable[[list[nn.Module]], None]
+    hook: Callable[[nn.Module, tuple[object, ...]], None]  # a forward pre-hook reading state
 
 
 LIBRARIES: tuple[Library, ...] = (
-    Library("torchcontract", ours_first, ours_second, ours_group, ours_second.state, _ours_update),
-    Library("torch", torch_first, torch_second, torch_group, torch_second.state, _torch_update),
+    Library(
+        "torchcontract",
+        ours_first,
+        ours_second,
+        ours_group,
+        _ours_state_each,
+        _ours_update_each,
+        _ours_hook,
+    ),
+    Library(
+        "torch",
+        torch_first,
+        torch_second,
+        torch_group,
+        _torch_state_each,
+        _torch_update_each,
+        _torch_hook,
+    ),
 )
 NAMES: tuple[str, ...] = tuple(library.name for library in LIBRARIES)
 

@@ -8,21 +8,24 @@ once), ``None`` entries skipped. Identity, not ``__eq__``/``__hash__``, decides
 what is shared.
 
 Speed: one walk copies, per module visited, its depth and name in the tree and
-the keys and values of its ``_parameters`` and ``_buffers`` into flat lists. It
-builds no string and no other object per module: the pre-order sequence of
-(depth, name) pairs fixes every path, so the FQN tuples can be built from the
-copies later, and only when someone asks for them. Two snapshots whose copies
-are identical (same depths, names and keys, the very same tensor objects) have
-identical FQNs, so comparing them needs no FQNs at all; any other pair is
-compared by its FQNs. Nothing is cached across walks: every snapshot reads the
-whole tree again, so no change can hide.
+the keys of its ``_parameters`` and ``_buffers`` and the ids of their values into
+flat lists. It builds no string per module: the pre-order sequence of (depth,
+name) pairs fixes every path, so the FQN tuples can be built from the copies
+later, and only when someone asks for them. Two snapshots whose copies are equal
+(same depths, names, keys and value ids) have equal FQNs: equal ids mean the same
+``None`` entries and the same tied parameters, since within one walk equal ids
+are one object. So comparing them needs no FQNs at all; any other pair is
+compared by its FQNs. Ids rather than the tensors themselves, so that a snapshot
+keeps no tensor alive: an API that replaces parameters frees the old ones as it
+goes. Nothing is cached across walks: every snapshot reads the whole tree again,
+so no change can hide.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from itertools import chain, compress, repeat
-from operator import is_, is_not
+from operator import is_, ne
 from typing import Final
 
 from torch import nn
@@ -32,12 +35,14 @@ from ._errors import ContractError, FQNChangedError
 __all__ = ["FQNSnapshot", "check_strict", "check_unchanged", "take_snapshot"]
 
 _SHOWN: Final = 8  # names listed per side in an error before "... and N more"
+_NONE_ID: Final = id(None)
 
 
 class FQNSnapshot:
     """The parameter, buffer and module FQNs of a module tree, in ``named_*`` order.
 
-    ``parameters``, ``buffers`` and ``module_fqns`` are tuples of names.
+    Made by ``take_snapshot``. ``parameters``, ``buffers`` and ``module_fqns`` are
+    tuples of names, built on first use from what the walk copied.
     ``modules`` holds the module objects behind ``module_fqns``, ``classes`` their
     classes and ``forwards`` their instance-level ``forward`` (or None) at snapshot
     time, for the stricter checks. Immutable; compared by identity.
@@ -45,16 +50,16 @@ class FQNSnapshot:
 
     __slots__ = (
         "_buffer_counts",
+        "_buffer_ids",
         "_buffer_keys",
-        "_buffer_values",
         "_buffers",
         "_depths",
         "_forwards",
         "_module_fqns",
         "_names",
         "_param_counts",
+        "_param_ids",
         "_param_keys",
-        "_param_values",
         "_parameters",
         "_prefixes",
         "classes",
@@ -66,15 +71,15 @@ class FQNSnapshot:
         modules: list[nn.Module],
         tree: tuple[list[int], list[str]],
         forwards: dict[int, object],
-        params: tuple[list[int], list[str], list[object]],
-        buffers: tuple[list[int], list[str], list[object]],
+        params: tuple[list[int], list[str], list[int]],
+        buffers: tuple[list[int], list[str], list[int]],
     ) -> None:
         self.modules: tuple[nn.Module, ...] = tuple(modules)
         self.classes: tuple[type[nn.Module], ...] = tuple(map(type, modules))
         self._depths, self._names = tree
         self._forwards = forwards
-        self._param_counts, self._param_keys, self._param_values = params
-        self._buffer_counts, self._buffer_keys, self._buffer_values = buffers
+        self._param_counts, self._param_keys, self._param_ids = params
+        self._buffer_counts, self._buffer_keys, self._buffer_ids = buffers
         self._parameters: tuple[str, ...] | None = None
         self._buffers: tuple[str, ...] | None = None
         self._module_fqns: tuple[str, ...] | None = None
@@ -84,11 +89,10 @@ class FQNSnapshot:
     def parameters(self) -> tuple[str, ...]:
         """Parameter FQNs, as the names of ``named_parameters()``."""
         if self._parameters is None:
-            names, values = _present(
+            names, ids = _present(
                 _member_names(self._member_prefixes(), self._param_counts, self._param_keys),
-                self._param_values,
+                self._param_ids,
             )
-            ids = list(map(id, values))
             if len(set(ids)) != len(ids):
                 names = _first_occurrences(names, ids)
             self._parameters = tuple(names)
@@ -100,7 +104,7 @@ class FQNSnapshot:
         if self._buffers is None:
             names, _ = _present(
                 _member_names(self._member_prefixes(), self._buffer_counts, self._buffer_keys),
-                self._buffer_values,
+                self._buffer_ids,
             )
             self._buffers = tuple(names)
         return self._buffers
@@ -109,17 +113,19 @@ class FQNSnapshot:
     def module_fqns(self) -> tuple[str, ...]:
         """Module FQNs, as the names of ``named_modules(remove_duplicate=False)``."""
         if self._module_fqns is None:
-            self._module_fqns = tuple(self._build_fqns()[0])
+            self._build_fqns()
+            assert self._module_fqns is not None
         return self._module_fqns
 
     def _member_prefixes(self) -> list[str]:
         """Per module, what ``named_*()`` put before its members' names."""
         if self._prefixes is None:
-            self._prefixes = self._build_fqns()[1]
+            self._build_fqns()
+            assert self._prefixes is not None
         return self._prefixes
 
-    def _build_fqns(self) -> tuple[list[str], list[str]]:
-        """Per module, its FQN and its member prefix, rebuilt from (depth, name) pairs.
+    def _build_fqns(self) -> None:
+        """Rebuild every module's FQN and member prefix from the (depth, name) pairs.
 
         As ``named_modules()``: a child's FQN is its parent's FQN, a dot and its name,
         without the dot when the parent's FQN is empty; its member prefix is its FQN
@@ -135,7 +141,7 @@ class FQNSnapshot:
             ancestors.append(prefix)
             fqns.append(fqn)
             prefixes.append(prefix)
-        return fqns, prefixes
+        self._module_fqns, self._prefixes = tuple(fqns), prefixes
 
     @property
     def forwards(self) -> tuple[object, ...]:
@@ -155,9 +161,8 @@ class FQNSnapshot:
             and self._buffer_counts == other._buffer_counts
             and self._param_keys == other._param_keys
             and self._buffer_keys == other._buffer_keys
-            # Equal counts make the value lists equally long.
-            and all(map(is_, self._param_values, other._param_values))
-            and all(map(is_, self._buffer_values, other._buffer_values))
+            and self._param_ids == other._param_ids
+            and self._buffer_ids == other._buffer_ids
         )
 
     def __repr__(self) -> str:
@@ -199,23 +204,27 @@ def take_snapshot(root: nn.Module) -> FQNSnapshot:
     # itself is a reference cycle, which would keep every module of the tree alive
     # until the cycle collector runs (never, where training loops disable it).
     def visit(module: nn.Module, name: str, depth: int, recurse: Callable[..., None]) -> None:
-        if "forward" in module.__dict__:
-            forwards[len(modules)] = module.__dict__["forward"]
+        # nn.Module.__init__ puts the three member dicts in the instance __dict__
+        # (ScriptModules too); reading them there skips three attribute lookups.
+        attributes = module.__dict__
+        if "forward" in attributes:
+            forwards[len(modules)] = attributes["forward"]
         add_module(module)
         add_depth(depth)
         add_name(name)
-        own_params = module._parameters
+        own_params: dict[str, object] = attributes["_parameters"]
         add_param_count(len(own_params))
         if own_params:
             add_param_keys(own_params.keys())
             add_param_values(own_params.values())
-        own_buffers = module._buffers
+        own_buffers: dict[str, object] = attributes["_buffers"]
         add_buffer_count(len(own_buffers))
         if own_buffers:
             add_buffer_keys(own_buffers.keys())
             add_buffer_values(own_buffers.values())
         depth += 1
-        for child_name, child in module._modules.items():
+        children: dict[str, nn.Module | None] = attributes["_modules"]
+        for child_name, child in children.items():
             if child is not None:
                 recurse(child, child_name, depth, recurse)
 
@@ -224,8 +233,9 @@ def take_snapshot(root: nn.Module) -> FQNSnapshot:
         modules,
         (depths, names),
         forwards,
-        (param_counts, param_keys, param_values),
-        (buffer_counts, buffer_keys, buffer_values),
+        # Ids taken in one pass at the end: cheaper than one map per module.
+        (param_counts, param_keys, list(map(id, param_values))),
+        (buffer_counts, buffer_keys, list(map(id, buffer_values))),
     )
 
 
@@ -246,12 +256,12 @@ def _first_occurrences(names: list[str], ids: list[int]) -> list[str]:
     return kept
 
 
-def _present(names: list[str], values: list[object]) -> tuple[list[str], list[object]]:
-    """``names`` and ``values`` without the entries whose value is None."""
-    if not any(map(is_, values, repeat(None))):
-        return names, values
-    keep = list(map(is_not, values, repeat(None)))
-    return list(compress(names, keep)), list(compress(values, keep))
+def _present(names: list[str], ids: list[int]) -> tuple[list[str], list[int]]:
+    """``names`` and ``ids`` without the entries whose value was None."""
+    if _NONE_ID not in ids:
+        return names, ids
+    keep = list(map(ne, ids, repeat(_NONE_ID)))
+    return list(compress(names, keep)), list(compress(ids, keep))
 
 
 def check_unchanged(

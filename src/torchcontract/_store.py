@@ -62,9 +62,10 @@ class ModuleTable(Generic[_K, _V]):
 
     def __init__(self) -> None:
         self._slots: dict[int, _Slot[_K, _V]] = {}
-        # Per key, id(module) -> value: one dict lookup for readers of a single key
-        # (Contract.state); kept in step with the rows by every write below. Weak in
-        # the key, so a table never keeps alive an API that no live module holds.
+        # Per key that asked for one (see column), id(module) -> value: one dict lookup
+        # for readers of a single key (Contract.state); kept in step with the rows by
+        # every write below. Weak in the key, so a table never keeps alive an API
+        # that no live module holds.
         self._columns: weakref.WeakKeyDictionary[_K, dict[int, _V]] = weakref.WeakKeyDictionary()
         self._forget = _forgetter(weakref.ref(self))
 
@@ -84,10 +85,18 @@ class ModuleTable(Generic[_K, _V]):
         """The live map ``id(module) -> value`` of ``key``, for lock-free reads.
 
         The same object for as long as ``key`` lives, so a reader may keep it; ids of
-        dead modules are never in it. Callers must not write to it.
+        dead modules are never in it. Callers must not write to it. Only keys asked
+        for get a column, which the table then keeps up to date.
         """
         with WRITE_LOCK:
-            return self._columns.setdefault(key, {})
+            column = self._columns.get(key)
+            if column is None:
+                column = self._columns[key] = {
+                    module_id: slot.items[key]
+                    for module_id, slot in self._slots.items()
+                    if key in slot.items
+                }
+            return column
 
     def modules(self) -> Iterator[nn.Module]:
         """The live modules with at least one item; a copy, safe while others write."""
@@ -106,9 +115,8 @@ class ModuleTable(Generic[_K, _V]):
                 return False
             slot.items[key] = value
             column = self._columns.get(key)
-            if column is None:
-                column = self._columns[key] = {}
-            column[id(module)] = value
+            if column is not None:
+                column[id(module)] = value
             journal_undo(lambda: self._discard(module, key))
             return True
 
@@ -120,7 +128,7 @@ class ModuleTable(Generic[_K, _V]):
                 return None
             old = slot.items[key]
             slot.items[key] = value
-            self._columns[key][id(module)] = value
+            self._write_column(key, id(module), value)
             journal_undo(lambda: self._restore(module, key, value, old))
             return old
 
@@ -128,7 +136,9 @@ class ModuleTable(Generic[_K, _V]):
         slot = self._slots.get(id(module))
         if slot is not None and key in slot.items:
             del slot.items[key]
-            del self._columns[key][id(module)]
+            column = self._columns.get(key)
+            if column is not None:
+                del column[id(module)]
             if not slot.items:
                 del self._slots[id(module)]
 
@@ -137,7 +147,12 @@ class ModuleTable(Generic[_K, _V]):
         slot = self._slots.get(id(module))
         if slot is not None and slot.items.get(key) is written:
             slot.items[key] = old
-            self._columns[key][id(module)] = old
+            self._write_column(key, id(module), old)
+
+    def _write_column(self, key: _K, module_id: int, value: _V) -> None:
+        column = self._columns.get(key)
+        if column is not None:
+            column[module_id] = value
 
 
 def _forgetter(
