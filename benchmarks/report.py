@@ -193,6 +193,27 @@ def growth_table(results: Sequence[Result]) -> list[str]:
     return lines
 
 
+def per_module_table(results: Sequence[Result], workload: str = "root apply") -> list[str]:
+    """``workload``'s median divided by the module count, at every size: where growth bends."""
+    sized = sorted({r.blocks for r in results if r.workload == workload and r.blocks and r.modules})
+    if not sized:
+        return []
+    by_key = {(r.library, r.blocks): r for r in results if r.workload == workload}
+    lines = [
+        f"| {workload}, per module | " + " | ".join(f"{blocks} blocks" for blocks in sized) + " |",
+        "|---|" + "---:|" * len(sized),
+    ]
+    for library in (OURS, TORCH):
+        cells = []
+        for blocks in sized:
+            result = by_key.get((library, blocks))
+            cells.append(
+                format_time(result.median / result.modules) if result and result.modules else ""
+            )
+        lines.append(f"| {library} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def memory_table(results: Sequence[Result]) -> list[str]:
     """Bytes kept per module, where a benchmark measured them."""
     measured = [r for r in results if r.bytes_per_module is not None]
@@ -264,6 +285,12 @@ def markdown(results: Sequence[Result], document: dict[str, Any]) -> str:
         f"{GROWTH_FROM}; the module count grows ×{_module_growth(results)}, so that is linear):",
         "",
         *growth_table(results),
+        "",
+        "Root apply per module, size by size (a flat row is linear growth; a step "
+        "between two sizes and flat on both sides of it is a cost per module that "
+        "changed there, as when the tree outgrows a CPU cache):",
+        "",
+        *per_module_table(results),
         "",
     ]
     if memory:
