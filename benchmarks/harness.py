@@ -9,11 +9,23 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
+import torch
 from pytest_benchmark.fixture import BenchmarkFixture
 
-__all__ = ["label", "time_once_per_model"]
+__all__ = ["evict_caches", "label", "time_once_per_model"]
+
+#: Larger than any CPU cache this runs on: writing it evicts whatever was cached.
+_EVICTION_BYTES: Final = 128 * 1024 * 1024
+_eviction_buffer: list[torch.Tensor] = []
+
+
+def evict_caches() -> None:
+    """Write a buffer larger than the CPU caches, so the next timed code starts cold."""
+    if not _eviction_buffer:
+        _eviction_buffer.append(torch.empty(_EVICTION_BYTES // 4, dtype=torch.float32))
+    _eviction_buffer[0].fill_(1.0)
 
 
 def label(
@@ -39,7 +51,11 @@ def time_once_per_model(
     """Time ``target(*prepare())`` for ``rounds`` rounds, each on freshly prepared arguments.
 
     ``prepare`` runs untimed before every round (an API applies only once per
-    module, so each round needs a new model). Then every object alive is frozen
+    module, so each round needs a new model). The CPU caches are then evicted:
+    a program builds its model long before it applies an API, and a model built
+    just before timing would sit in cache when small and not when large, which
+    would make growth with model size look worse than it is, for both libraries
+    alike. Then every object alive is frozen
     out of the garbage collector's reach until the round ends: the round starts
     with empty young generations, as after a full collection, so no round pays
     for collecting the objects that building the model made, yet the collector
@@ -49,6 +65,7 @@ def time_once_per_model(
 
     def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
         arguments = prepare()
+        evict_caches()
         gc.freeze()
         return arguments, {}
 

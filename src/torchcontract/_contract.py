@@ -196,13 +196,11 @@ class Contract(Generic[_P, _R, _S]):
     def state(self, module: nn.Module) -> _S:
         """The record of ``module``; ``NotAppliedError`` if the API is not applied to it.
 
-        Instances answer through the equivalent closure made by ``_state_reader``.
+        Each instance answers through the closure ``_state_reader`` made for it,
+        which its ``__dict__`` holds under this name; this method only defers to it.
         """
-        try:
-            record: _S = self._cells[id(module)].record
-        except KeyError:
-            raise self._not_applied(module) from None
-        return record
+        reader: Callable[[nn.Module], _S] = self.__dict__["state"]
+        return reader(module)
 
     def get_state(self, module: nn.Module) -> _S | None:
         """The record of ``module``, or None if the API is not applied to it."""

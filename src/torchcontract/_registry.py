@@ -130,8 +130,6 @@ def check_compatible(
     if not api.rules and not api.ruled_by:
         return
     for target, snapshot in zip(targets, snapshots, strict=True):
-        inside = dict(zip(map(id, snapshot.modules), snapshot.module_fqns, strict=True))
-
         for module, relation in _neighbours(target, snapshot.modules):
             for old in REGISTRY.row(module).values():
                 for rule in _rules_between(entry, old):
@@ -140,7 +138,7 @@ def check_compatible(
                             api.name,
                             old.api.name,
                             label(target),
-                            _name_in(module, relation, inside, label),
+                            _name_in(module, relation, snapshot, label),
                             relation,
                         )
             for rule in api.rules:
@@ -153,17 +151,25 @@ def check_compatible(
                         api.name,
                         f"torch's {rule.other}",
                         label(target),
-                        _name_in(module, relation, inside, label),
+                        _name_in(module, relation, snapshot, label),
                         relation,
                     )
 
 
 def _name_in(
-    module: nn.Module, relation: str, inside: dict[int, str], label: Callable[[nn.Module], str]
+    module: nn.Module, relation: str, snapshot: FQNSnapshot, label: Callable[[nn.Module], str]
 ) -> str:
-    """``Linear 'l1'`` for a module inside the target, by its FQN there; else its label."""
+    """``Linear 'l1'`` for a module inside the target, by its FQN there; else its label.
+
+    Names are built only here, for the error: checking rules builds none.
+    """
     if relation == "inside":
-        return f"{type(module).__qualname__} {inside[id(module)]!r}"
+        fqn = next(
+            name
+            for name, candidate in zip(snapshot.module_fqns, snapshot.modules, strict=True)
+            if candidate is module
+        )
+        return f"{type(module).__qualname__} {fqn!r}"
     return label(module)
 
 

@@ -91,9 +91,10 @@ class ModuleTable(Generic[_K, _V]):
         with WRITE_LOCK:
             column = self._columns.get(key)
             if column is None:
+                # list(): a module dying mid-walk drops its row from _slots.
                 column = self._columns[key] = {
                     module_id: slot.items[key]
-                    for module_id, slot in self._slots.items()
+                    for module_id, slot in list(self._slots.items())
                     if key in slot.items
                 }
             return column
