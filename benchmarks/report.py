@@ -29,6 +29,10 @@ RESULTS: Final = HERE / "results"
 RAW: Final = RESULTS / "benchmarks.json"
 TABLE: Final = RESULTS / "RESULTS.md"
 PLOT: Final = RESULTS / "apply_scaling.png"
+README: Final = HERE.parent / "README.md"
+#: The README carries the latest RESULTS.md between these two lines.
+README_START: Final = "<!-- benchmark results: written by make bench -->"
+README_END: Final = "<!-- end of benchmark results -->"
 
 OURS: Final = "torchcontract"
 TORCH: Final = "torch"
@@ -273,9 +277,10 @@ def markdown(results: Sequence[Result], document: dict[str, Any]) -> str:
         "through torchcontract and through `torch.distributed._composable.contract` in the "
         "same run. Times are medians of CPU time (`time.process_time`) per round unless a "
         "row says wall time; rounds "
-        "that apply an API each get a freshly built model, built untimed, after which every "
-        "live object is frozen out of the garbage collector's reach until the round ends "
-        "(`gc.freeze`). Lookups and updates are timed over every block of the "
+        "that apply an API each get a freshly built model, built untimed; then the CPU "
+        "caches are evicted (a program builds its model long before it applies an API) and "
+        "every live object is frozen out of the garbage collector's reach until the round "
+        "ends (`gc.freeze`). Lookups and updates are timed over every block of the "
         "model and shown per call. Model: per block two LayerNorms, attention with q/k/v/o "
         "Linear layers, an MLP with up/act/down/dropout (13 modules, 16 parameters).",
         "",
@@ -347,8 +352,18 @@ def plot(results: Sequence[Result], path: Path) -> None:
     plt.close(figure)
 
 
+def update_readme(results_markdown: str) -> None:
+    """Replace the README's benchmark section with ``results_markdown`` (headings demoted)."""
+    readme = README.read_text()
+    start, end = readme.index(README_START), readme.index(README_END)
+    body = results_markdown.replace("# Benchmark results\n\n", "", 1).replace(
+        "`apply_scaling.png`", "`benchmarks/results/apply_scaling.png`"
+    )
+    README.write_text(f"{readme[: start + len(README_START)]}\n{body.strip()}\n{readme[end:]}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Run the suite (unless ``--no-run``), then write RESULTS.md and the plot, and print."""
+    """Run the suite (unless ``--no-run``), write RESULTS.md, the plot and the README table."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__)
     parser.add_argument(
         "--no-run", action="store_true", help="rebuild the table and plot from the last JSON"
@@ -361,6 +376,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     text = markdown(results, document)
     TABLE.write_text(text)
     plot(results, PLOT)
+    update_readme(text)
     print()
     print(text)
     print(f"Wrote {TABLE.relative_to(HERE.parent)} and {PLOT.relative_to(HERE.parent)}.")
