@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import gc
 import pickle
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -27,6 +24,7 @@ from torchcontract import (
     torch_registry,
 )
 from torchcontract.apis import CheckpointState, checkpoint
+from torchcontract.testing import _gc_disabled
 
 WIDTH = 32
 
@@ -300,7 +298,7 @@ def test_model_is_freed_by_reference_counting_after_training(use_reentrant: bool
         checkpoint(block, use_reentrant=use_reentrant)
     _run(model, _inputs())
     alive = weakref.ref(model)
-    with _gc_off():
+    with _gc_disabled():
         del model
         assert alive() is None
 
@@ -432,17 +430,3 @@ def test_describe_shows_torch_and_our_checkpoint() -> None:
     text = describe(model)
     assert "0: Block  [checkpoint (torch)]" in text
     assert "1: Block  [checkpoint]" in text
-
-
-# ----------------------------------------------------------------- helpers
-
-
-@contextlib.contextmanager
-def _gc_off() -> Iterator[None]:
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()

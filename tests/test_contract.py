@@ -634,6 +634,7 @@ def test_class_change_to_an_unrelated_class_raises_contract_error() -> None:
         "which is not a subclass of it"
     ) in message
     assert "only swap in a subclass" in message
+    assert "strict=False" in message
     assert not feature.is_applied(layer)
 
 

@@ -298,7 +298,8 @@ def check_strict(
         raise ContractError(
             f"{api_name} changed the class of {old_cls.__qualname__} at "
             f"{_quote(before.module_fqns[first_class])} to {new_cls.__qualname__}, which is "
-            "not a subclass of it; an API may only swap in a subclass (as fully_shard does)"
+            "not a subclass of it; an API may only swap in a subclass (as fully_shard does), "
+            "or pass strict=False to contract() to allow it"
         )
     if first_forward is not None:
         old_cls = before.classes[first_forward]
