@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Concatenate, Generic, TypeVar, overload
 
@@ -77,7 +78,9 @@ class Contract(Generic[_P, _R, _S]):
         self.state_cls = state_cls
         self.store = store
         self.rules = rules
-        self.ruled_by: list[Incompatible] = []
+        # The contracts whose rules name this one, so that rules hold in both orders.
+        # Weak: a contract made in a function and dropped must not stay around here.
+        self.ruled_by: weakref.WeakSet[Contract[..., Any, Any]] = weakref.WeakSet()
         self.strict = strict
         self.name = f"{func.__module__}.{func.__qualname__}"
         self._table = store._table
@@ -396,7 +399,7 @@ class _Decorator(Generic[_S]):
         )
         for rule in self._rules:
             if isinstance(rule.other, Contract):
-                rule.other.ruled_by.append(rule)
+                rule.other.ruled_by.add(api)
         return api
 
 

@@ -8,7 +8,7 @@ arguments of each application; a rule may look at them (``when=``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, Literal
 
@@ -66,9 +66,10 @@ def registry(module: nn.Module) -> Mapping[AnyContract, RegistryEntry]:
 
 def torch_registry(module: nn.Module) -> Mapping[str, object]:
     """The composable APIs of ``torch.distributed._composable`` applied to ``module``, by name."""
-    from torch.distributed._composable.contract import _get_registry
+    from torch.distributed._composable.contract import REGISTRY_KEY
 
-    found = _get_registry(module)
+    # Read __dict__ directly: a missing attribute costs nn.Module.__getattr__ a raise.
+    found = module.__dict__.get(REGISTRY_KEY)
     return MappingProxyType(dict(found) if found is not None else {})
 
 
@@ -106,14 +107,30 @@ class Incompatible:
     )
 
 
-def _rules_between(new: RegistryEntry, old: RegistryEntry) -> Iterator[Incompatible]:
-    """The rules, declared by either side, that forbid ``new`` next to ``old``."""
-    for rule in new.api.rules:
-        if rule.other is old.api and (rule.when is None or rule.when(old)):
-            yield rule
-    for rule in old.api.rules:
-        if rule.other is new.api and (rule.when is None or rule.when(new)):
-            yield rule
+@attrs.frozen
+class _Ban:
+    """What one rule forbids next to a new application: ``other`` where ``accepts`` its entry."""
+
+    other: AnyContract | str
+    scope: Scope
+    accepts: Callable[[RegistryEntry], bool] | None
+
+
+def _bans(entry: RegistryEntry) -> list[_Ban]:
+    """The rules that can fire for ``entry``: its API's own, and others' that name it.
+
+    A rule declared by another API narrows on the new application's arguments, so it
+    is decided here, once; only rules that still hold become bans.
+    """
+    api = entry.api
+    bans = [_Ban(rule.other, rule.scope, rule.when) for rule in api.rules]
+    for declarer in list(api.ruled_by):
+        if not REGISTRY.column(declarer):
+            continue  # applied to no live module: its rules cannot fire
+        for rule in declarer.rules:
+            if rule.other is api and (rule.when is None or rule.when(entry)):
+                bans.append(_Ban(declarer, rule.scope, None))
+    return bans
 
 
 def check_compatible(
@@ -124,32 +141,36 @@ def check_compatible(
 ) -> None:
     """Raise ``IncompatibleAPIError`` if ``entry`` may not be applied to ``targets``.
 
-    ``snapshots[i]`` is the FQN snapshot of ``targets[i]``; it names what is inside.
+    ``snapshots[i]`` is the FQN snapshot of ``targets[i]``; it lists what is inside.
+    Costs nothing for an API no rule concerns, one registry lookup per module inside
+    for tree-wide rules, and a walk only of registered ancestors that hold a banned API.
     """
-    api = entry.api
-    if not api.rules and not api.ruled_by:
+    bans = _bans(entry)
+    if not bans:
         return
+    api = entry.api
+    tree_wide = any(ban.scope == "tree" for ban in bans)
+    banned = list(
+        {id(ban.other): ban.other for ban in bans if not isinstance(ban.other, str)}.values()
+    )
     for target, snapshot in zip(targets, snapshots, strict=True):
-        for module, relation in _neighbours(target, snapshot.modules):
-            for old in REGISTRY.row(module).values():
-                for rule in _rules_between(entry, old):
-                    if relation == "same" or rule.scope == "tree":
-                        raise _conflict(
-                            api.name,
-                            old.api.name,
-                            label(target),
-                            _name_in(module, relation, snapshot, label),
-                            relation,
-                        )
-            for rule in api.rules:
-                if (
-                    isinstance(rule.other, str)
-                    and (relation == "same" or rule.scope == "tree")
-                    and rule.other in torch_registry(module)
-                ):
+        neighbours = _neighbours(target, snapshot.modules, banned) if tree_wide else ()
+        for module, relation in ((target, "same"), *neighbours):
+            for ban in bans:
+                if relation != "same" and ban.scope == "module":
+                    continue
+                if isinstance(ban.other, str):
+                    # torch's registry cannot be searched upwards: module and inside only.
+                    found = relation != "around" and ban.other in torch_registry(module)
+                    other_name = f"torch's {ban.other}"
+                else:
+                    old = REGISTRY.get(module, ban.other)
+                    found = old is not None and (ban.accepts is None or ban.accepts(old))
+                    other_name = ban.other.name
+                if found:
                     raise _conflict(
                         api.name,
-                        f"torch's {rule.other}",
+                        other_name,
                         label(target),
                         _name_in(module, relation, snapshot, label),
                         relation,
@@ -173,18 +194,22 @@ def _name_in(
     return label(module)
 
 
-def _neighbours(target: nn.Module, subtree: Sequence[nn.Module]) -> Iterator[tuple[nn.Module, str]]:
-    """The target, its descendants, and the registered modules that contain it."""
-    yield target, "same"
+def _neighbours(
+    target: nn.Module, subtree: Sequence[nn.Module], banned: Sequence[AnyContract]
+) -> list[tuple[nn.Module, str]]:
+    """The target's descendants, and the registered modules holding a banned API around it."""
+    found: list[tuple[nn.Module, str]] = []
     seen = {id(target)}
     for module in subtree:
         if id(module) not in seen:
             seen.add(id(module))
-            yield module, "inside"
-    for module in REGISTRY.modules():
-        if id(module) not in seen and _contains(module, target):
-            seen.add(id(module))
-            yield module, "around"
+            found.append((module, "inside"))
+    for api in banned:
+        for module in REGISTRY.modules_with(api):
+            if id(module) not in seen and _contains(module, target):
+                seen.add(id(module))
+                found.append((module, "around"))
+    return found
 
 
 def _contains(ancestor: nn.Module, module: nn.Module) -> bool:

@@ -99,6 +99,17 @@ class ModuleTable(Generic[_K, _V]):
                 }
             return column
 
+    def modules_with(self, key: _K) -> list[nn.Module]:
+        """The live modules that hold ``key``; a copy, safe while others write."""
+        column = self.column(key)
+        modules = []
+        for module_id in list(column):
+            slot = self._slots.get(module_id)
+            module = slot() if slot is not None else None
+            if module is not None:
+                modules.append(module)
+        return modules
+
     def modules(self) -> Iterator[nn.Module]:
         """The live modules with at least one item; a copy, safe while others write."""
         for slot in list(self._slots.values()):
