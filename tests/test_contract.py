@@ -461,8 +461,9 @@ def test_list_apply_returning_a_list_of_another_length_raises_invalid_result() -
         return modules[:1]
 
     layers = [nn.Linear(2, 2), nn.Linear(2, 2)]
-    with pytest.raises(InvalidResultError, match="returned list"):
+    with pytest.raises(InvalidResultError, match="returned list") as info:
         feature(layers)
+    assert str(info.value).endswith("(applied to Linear and 1 more)")
     assert not feature.is_applied(layers[0])
 
 

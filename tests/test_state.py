@@ -142,6 +142,7 @@ def test_set_state_with_another_record_class_raises_invalid_record() -> None:
         untyped(scale.set_state)(layer, OtherState())
     message = str(info.value)
     assert f"{scale.name}.set_state: expected a ScaleState record, got OtherState" in message
+    assert "for Linear;" in message
     assert "attrs.evolve" in message
     assert scale.state(layer) is before
 

@@ -186,7 +186,9 @@ class Contract(Generic[_P, _R, _S]):
                 return [modules[position[id(target)]] for target in targets]
         raise InvalidResultError(
             f"{self.name} returned {type(result).__qualname__}; an API function returns the "
-            "module (or list of modules) it was given, a replacement with the same FQNs, or None"
+            "module (or list of modules) it was given, a replacement with the same FQNs, or None "
+            f"(applied to {module_label(targets[0])}"
+            f"{f' and {len(targets) - 1} more' if len(targets) > 1 else ''})"
         )
 
     def _verify(self, before: FQNSnapshot, after: FQNSnapshot) -> None:
@@ -219,7 +221,7 @@ class Contract(Generic[_P, _R, _S]):
 
     def set_state(self, module: nn.Module, record: _S) -> None:
         """Replace ``module``'s record with ``record``, an instance of the state class."""
-        self._check_record(record, "set_state")
+        self._check_record(record, "set_state", module)
         with WRITE_LOCK:
             self._write(self._cell(module), record)
 
@@ -234,7 +236,7 @@ class Contract(Generic[_P, _R, _S]):
         with WRITE_LOCK:
             cell = self._cell(module)
             record = transition(cell.record)
-            self._check_record(record, "update")
+            self._check_record(record, "update", module)
             self._write(cell, record)
             return record
 
@@ -254,11 +256,12 @@ class Contract(Generic[_P, _R, _S]):
 
         journal_undo(undo)
 
-    def _check_record(self, record: object, method: str) -> None:
+    def _check_record(self, record: object, method: str, module: nn.Module) -> None:
         if not isinstance(record, self.state_cls):
             raise InvalidRecordError(
                 f"{self.name}.{method}: expected a {self.state_cls.__qualname__} record, got "
-                f"{type(record).__qualname__}; build one with attrs.evolve(record, ...)"
+                f"{type(record).__qualname__} for {module_label(module)}; "
+                "build one with attrs.evolve(record, ...)"
             )
         check_holds_no_module(record, self._fields, f"{self.name}.{method}")
 

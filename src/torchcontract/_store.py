@@ -1,8 +1,12 @@
 """StateStore: a weak, identity-keyed map from module to records by API.
 
-A module is keyed by ``id(module)`` and held through a weak reference whose
-callback drops its entry, so the store never keeps a module alive, never calls
-a module's ``__eq__``/``__hash__`` and never writes into a module's ``__dict__``.
+``ModuleTable`` is the core of both the store and the registry: one row per
+module, keyed by ``id(module)``, the row itself a weak reference whose callback
+drops it, so a table never keeps a module alive, never calls a module's
+``__eq__``/``__hash__`` and never writes into a module's ``__dict__``. A key may
+ask for a column, ``id(module) -> value``, which the table keeps in step; that
+is what ``Contract.state`` reads, in one lookup. The store's values are ``Cell``
+objects holding the current record, so roots of one list apply can share one.
 Reads take no lock; writes hold ``WRITE_LOCK`` and are journaled (see
 ``_transaction``) so a failed apply can undo them.
 """
@@ -132,18 +136,6 @@ class ModuleTable(Generic[_K, _V]):
             journal_undo(lambda: self._discard(module, key))
             return True
 
-    def replace(self, module: nn.Module, key: _K, value: _V) -> _V | None:
-        """Set ``key`` of ``module`` to ``value`` if present; return the old value, or None."""
-        with WRITE_LOCK:
-            slot = self._slots.get(id(module))
-            if slot is None or key not in slot.items:
-                return None
-            old = slot.items[key]
-            slot.items[key] = value
-            self._write_column(key, id(module), value)
-            journal_undo(lambda: self._restore(module, key, value, old))
-            return old
-
     def _discard(self, module: nn.Module, key: _K) -> None:
         slot = self._slots.get(id(module))
         if slot is not None and key in slot.items:
@@ -153,18 +145,6 @@ class ModuleTable(Generic[_K, _V]):
                 del column[id(module)]
             if not slot.items:
                 del self._slots[id(module)]
-
-    def _restore(self, module: nn.Module, key: _K, written: _V, old: _V) -> None:
-        # Put back the old value only if nobody wrote over ours since.
-        slot = self._slots.get(id(module))
-        if slot is not None and slot.items.get(key) is written:
-            slot.items[key] = old
-            self._write_column(key, id(module), old)
-
-    def _write_column(self, key: _K, module_id: int, value: _V) -> None:
-        column = self._columns.get(key)
-        if column is not None:
-            column[module_id] = value
 
 
 def _forgetter(

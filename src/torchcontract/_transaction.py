@@ -1,7 +1,8 @@
 """Journaled writes: what an apply installs is undone if the apply fails.
 
-Every write to a module table made while a transaction is open in the current
-context appends its undo step to that transaction's journal. A transaction that
+Every write to a module table, and every record written to a ``Cell``, made
+while a transaction is open in the current context appends its undo step to
+that transaction's journal. A transaction that
 fails runs its journal backwards; one that succeeds hands its journal to the
 enclosing transaction, so a nested apply is undone with the apply around it.
 """

@@ -1,7 +1,8 @@
 """Typed views of the torch functions these APIs call that torch leaves unannotated.
 
 Each is the torch function itself, cast once here to the signature this package
-uses, so the API modules type-check strictly without suppressing anything.
+uses, or a thin typed wrapper around it, so the API modules type-check strictly
+without suppressing anything.
 """
 
 from __future__ import annotations

@@ -280,7 +280,8 @@ def replicate(
     Cannot be combined with ``checkpoint(use_reentrant=True)`` on the same or
     nested modules (each reentrant region runs a nested backward pass that would
     synchronize gradients on its own), nor with torch's own ``replicate`` or
-    ``fully_shard`` there (gradients would be averaged twice). Raises
+    ``fully_shard`` on the module or inside it (gradients would be averaged
+    twice; torch's registry cannot be searched upwards). Raises
     ``ContractError`` if no process group is initialized, ``ValueError`` for a
     non-positive ``bucket_cap_mb``.
     """
