@@ -106,7 +106,7 @@ class ModuleTable(Generic[_K, _V]):
     def modules_with(self, key: _K) -> list[nn.Module]:
         """The live modules that hold ``key``; a copy, safe while others write."""
         column = self.column(key)
-        modules = []
+        modules: list[nn.Module] = []
         for module_id in list(column):
             slot = self._slots.get(module_id)
             module = slot() if slot is not None else None
