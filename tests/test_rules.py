@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -316,3 +318,39 @@ def test_rule_naming_a_torch_api_cannot_be_narrowed_with_when() -> None:
     assert "Incompatible('checkpoint', when=...)" in message
     assert "torch's registry records no arguments" in message
     assert "drop when=" in message
+
+
+def test_rule_naming_a_torch_api_does_not_look_at_modules_around_the_target() -> None:
+    # torch's registry cannot be searched upwards: only the module and what is inside count.
+    model = TwoLayer()
+    torch_checkpoint(model)
+    marked(model)  # one of ours around too: the torch rule still looks only inside
+    needs_plain_forward(model.l1)
+    assert needs_plain_forward.is_applied(model.l1)
+
+
+def test_predicate_of_a_rule_whose_declarer_is_applied_nowhere_is_never_called() -> None:
+    def explode(entry: RegistryEntry) -> bool:
+        raise AssertionError("called for an API applied nowhere")
+
+    @contract(incompatible_with=[Incompatible(checkpointing, when=explode)])
+    def unused(module: nn.Module) -> None:
+        pass
+
+    layer = nn.Linear(2, 2)
+    checkpointing(layer)
+    assert checkpointing.is_applied(layer)
+    assert unused in checkpointing.ruled_by
+
+
+def test_contract_whose_rule_names_another_is_not_kept_alive_by_it() -> None:
+    @contract(incompatible_with=[Incompatible(marked)])
+    def short_lived(module: nn.Module) -> None:
+        pass
+
+    alive = weakref.ref(short_lived)
+    del short_lived
+    gc.collect()
+    assert alive() is None
+    assert "short_lived" not in {declarer.__name__ for declarer in marked.ruled_by}
+    assert exclusive in marked.ruled_by

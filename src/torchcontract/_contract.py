@@ -28,7 +28,7 @@ from ._errors import (
     InvalidTargetError,
     NotAppliedError,
 )
-from ._fqn import FQNSnapshot, check_strict, check_unchanged, take_snapshot
+from ._fqn import FQNSnapshot, check_strict, check_unchanged, descendants, take_snapshot
 from ._registry import REGISTRY, Incompatible, RegistryEntry, check_compatible
 from ._store import DEFAULT_STORE, Cell, StateStore, check_holds_no_module
 from ._transaction import WRITE_LOCK, Transaction, journal_undo
@@ -243,7 +243,7 @@ class Contract(Generic[_P, _R, _S]):
     def _cell(self, module: nn.Module) -> Cell[Any]:
         cell = self._cells.get(id(module))
         if cell is None:
-            raise self._not_applied(module)
+            raise _not_applied(self.name, module)
         return cell
 
     def _write(self, cell: Cell[Any], record: object) -> None:
@@ -264,9 +264,6 @@ class Contract(Generic[_P, _R, _S]):
                 "build one with attrs.evolve(record, ...)"
             )
         check_holds_no_module(record, self._fields, f"{self.name}.{method}")
-
-    def _not_applied(self, module: nn.Module) -> NotAppliedError:
-        return _not_applied(self.name, module)
 
     # ----------------------------------------------------------------- arguments
 
@@ -316,14 +313,8 @@ def root_modules(modules: Sequence[nn.Module]) -> list[nn.Module]:
         return list(modules)
     inside: set[int] = set()
     for module in modules:
-        stack = [child for child in module._modules.values() if child is not None]
-        while stack:
-            child = stack.pop()
-            if id(child) not in inside:
-                inside.add(id(child))
-                stack.extend(
-                    grandchild for grandchild in child._modules.values() if grandchild is not None
-                )
+        for _ in descendants(module, inside):
+            pass  # descendants() records every id it visits in ``inside``
     return [module for module in modules if id(module) not in inside]
 
 

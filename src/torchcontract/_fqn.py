@@ -32,7 +32,7 @@ from torch import nn
 
 from ._errors import ContractError, FQNChangedError
 
-__all__ = ["FQNSnapshot", "check_strict", "check_unchanged", "take_snapshot"]
+__all__ = ["FQNSnapshot", "check_strict", "check_unchanged", "descendants", "take_snapshot"]
 
 _SHOWN: Final = 8  # names listed per side in an error before "... and N more"
 _NONE_ID: Final = id(None)
@@ -237,6 +237,23 @@ def take_snapshot(root: nn.Module) -> FQNSnapshot:
         (param_counts, param_keys, list(map(id, param_values))),
         (buffer_counts, buffer_keys, list(map(id, buffer_values))),
     )
+
+
+def descendants(root: nn.Module, seen: set[int] | None = None) -> Iterator[nn.Module]:
+    """Every module strictly inside ``root``, each once (by identity), pre-order.
+
+    ``seen`` holds the ids already visited; pass one set to several calls to walk a
+    forest without visiting a shared subtree twice.
+    """
+    visited: set[int] = set() if seen is None else seen
+    stack = [child for child in reversed(root._modules.values()) if child is not None]
+    while stack:
+        module = stack.pop()
+        if id(module) in visited:
+            continue
+        visited.add(id(module))
+        yield module
+        stack.extend(child for child in reversed(module._modules.values()) if child is not None)
 
 
 def _member_names(prefixes: list[str], counts: list[int], keys: list[str]) -> list[str]:

@@ -8,7 +8,7 @@ arguments of each application; a rule may look at them (``when=``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, Literal
 
@@ -16,7 +16,7 @@ import attrs
 from torch import nn
 
 from ._errors import IncompatibleAPIError
-from ._fqn import FQNSnapshot
+from ._fqn import FQNSnapshot, descendants
 from ._store import ModuleTable
 
 if TYPE_CHECKING:
@@ -213,15 +213,7 @@ def _neighbours(
 
 
 def _contains(ancestor: nn.Module, module: nn.Module) -> bool:
-    return any(candidate is module for candidate in _iter_tree(ancestor))
-
-
-def _iter_tree(root: nn.Module) -> Iterable[nn.Module]:
-    stack = [root]
-    while stack:
-        module = stack.pop()
-        yield module
-        stack.extend(child for child in module._modules.values() if child is not None)
+    return any(candidate is module for candidate in descendants(ancestor))
 
 
 def _conflict(
