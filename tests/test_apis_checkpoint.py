@@ -395,6 +395,27 @@ def test_original_keeps_checkpointing_after_being_copied() -> None:
     assert checked.bytes * 4 <= _saved_by_forward(reference, _inputs()).bytes
 
 
+@REENTRANT
+@pytest.mark.timeout(60)
+def test_checkpoint_applied_to_a_deepcopy_of_a_checkpointed_block_trains_correctly(
+    use_reentrant: bool,
+) -> None:
+    # Deep-copying a prototype block and applying APIs to each copy is a common way to
+    # build a model. The copy inherits the prototype's hooks; once it gets a record of
+    # its own they must stay inert, or two regions open per forward (a nested
+    # recomputation that never ends with use_reentrant=True).
+    prototype = deep_mlp(depth=1)[0]
+    checkpoint(prototype, use_reentrant=use_reentrant)
+    model = nn.Sequential(*(copy.deepcopy(prototype) for _ in range(3)))
+    reference = nn.Sequential(*(copy.deepcopy(prototype) for _ in range(3)))
+    for block in model:
+        assert len(block._forward_pre_hooks) == 1  # the prototype's, inherited
+        checkpoint(block, use_reentrant=use_reentrant)
+    _assert_same_run(_run(model, _inputs()), _run(reference, _inputs()))
+    checked = _saved_by_forward(model, _inputs())
+    assert checked.count < _saved_by_forward(reference, _inputs()).count
+
+
 # ----------------------------------------------------------------- beside torch's API
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._contract import Contract, EmptyState, contract
+from ._contract import Application, Contract, EmptyState, contract
 from ._describe import describe
 from ._errors import (
     AlreadyAppliedError,
@@ -21,6 +21,7 @@ from ._store import StateStore
 
 __all__ = [
     "AlreadyAppliedError",
+    "Application",
     "Contract",
     "ContractError",
     "EmptyState",

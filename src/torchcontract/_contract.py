@@ -33,7 +33,7 @@ from ._registry import REGISTRY, Incompatible, RegistryEntry, check_compatible
 from ._store import DEFAULT_STORE, Cell, StateStore, check_holds_no_module
 from ._transaction import WRITE_LOCK, Transaction, journal_undo
 
-__all__ = ["AnyContract", "Contract", "EmptyState", "contract"]
+__all__ = ["AnyContract", "Application", "Contract", "EmptyState", "contract"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -45,6 +45,43 @@ _Result = TypeVar("_Result", bound="nn.Module | Sequence[nn.Module]")
 @attrs.frozen
 class EmptyState:
     """The record of an API that keeps no state of its own."""
+
+
+class Application(Generic[_S]):
+    """One application of an API: what its hooks hold, so they act for that application only.
+
+    ``record(module)`` is the API's record of ``module`` while that record belongs to
+    this application, and None otherwise: on a copy of the module (torch copies
+    hooks along with the module) even once the API is applied to the copy, after the
+    application was rolled back, and after the module died. Copying or pickling a
+    handle gives a detached one, whose ``record`` is always None. Holds no module.
+    """
+
+    __slots__ = ("_cell", "_cells")
+
+    def __init__(self, cells: Mapping[int, Cell[Any]], cell: Cell[Any] | None) -> None:
+        self._cells = cells
+        self._cell = cell
+
+    def record(self, module: nn.Module) -> _S | None:
+        """The record of ``module`` if this application installed it, else None."""
+        cell = self._cells.get(id(module))
+        if cell is None or cell is not self._cell:
+            return None
+        record: _S = cell.record
+        return record
+
+    def __copy__(self) -> Application[_S]:
+        return Application({}, None)
+
+    def __deepcopy__(self, memo: object) -> Application[_S]:
+        return Application({}, None)
+
+    def __reduce__(self) -> tuple[type[Application[Any]], tuple[dict[int, Cell[Any]], None]]:
+        return Application, ({}, None)
+
+    def __repr__(self) -> str:
+        return f"<Application {'detached' if self._cell is None else 'attached'}>"
 
 
 class Contract(Generic[_P, _R, _S]):
@@ -206,6 +243,16 @@ class Contract(Generic[_P, _R, _S]):
         """
         reader: Callable[[nn.Module], _S] = self.__dict__["state"]
         return reader(module)
+
+    def application(self, module: nn.Module) -> Application[_S]:
+        """The handle of the application that gave ``module`` its record, for its hooks.
+
+        Call it inside the API function and let the hooks it installs hold the handle:
+        ``handle.record(m)`` answers None on a copy of the module, so hooks a copy
+        inherits stay inert even after the API is applied to the copy. Raises
+        ``NotAppliedError`` if the API is not applied to ``module``.
+        """
+        return Application(self._cells, self._cell(module))
 
     def get_state(self, module: nn.Module) -> _S | None:
         """The record of ``module``, or None if the API is not applied to it."""

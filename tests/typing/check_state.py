@@ -13,7 +13,7 @@ from typing import assert_type
 import attrs
 from torch import nn
 
-from torchcontract import EmptyState, contract
+from torchcontract import Application, EmptyState, contract
 
 
 @attrs.frozen
@@ -75,3 +75,11 @@ scale.update(model, from_other)  # type: ignore[arg-type]
 
 # Records are frozen: a transition builds a new one.
 scale.state(model).factor = 2.0  # type: ignore[misc]
+
+
+# Application handles are typed by the record class too.
+handle = scale.application(model)
+assert_type(handle, Application[ScaleState])
+assert_type(handle.record(model), ScaleState | None)
+assert_type(mark.application(model).record(model), EmptyState | None)
+other_handle: Application[OtherState] = scale.application(model)  # type: ignore[assignment]

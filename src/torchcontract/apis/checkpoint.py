@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 from torch.utils import checkpoint as torch_checkpoint
 
-from torchcontract import InvalidTargetError, contract
+from torchcontract import Application, InvalidTargetError, contract
 
 from . import _torch
 
@@ -288,21 +288,30 @@ _recompute_apply: Final = cast(Callable[..., tuple[Tensor, ...]], _Recompute.app
 class _Hooks:
     """The hooks checkpoint installs on a module: open, finish and clean up a region.
 
-    They hold the module's ``_Regions`` and the apply's options, never the module
-    (it comes in as the hook argument), so no reference cycle keeps it alive.
-    Copies and pickles of the module get hooks with fresh, empty regions; finding
-    no record on the copy, they do nothing.
+    They hold the module's ``_Regions``, the apply's options and its ``Application``
+    handle, never the module (it comes in as the hook argument), so no reference
+    cycle keeps it alive. Copies and pickles of the module get hooks with fresh,
+    empty regions and a detached handle: they stay inert, even once checkpoint is
+    applied to the copy (which then has hooks of its own).
     """
 
-    __slots__ = ("preserve_rng_state", "regions", "use_reentrant")
+    __slots__ = ("application", "preserve_rng_state", "regions", "use_reentrant")
 
-    def __init__(self, use_reentrant: bool, preserve_rng_state: bool) -> None:
+    def __init__(
+        self,
+        application: Application[CheckpointState],
+        use_reentrant: bool,
+        preserve_rng_state: bool,
+    ) -> None:
+        self.application = application
         self.use_reentrant = use_reentrant
         self.preserve_rng_state = preserve_rng_state
         self.regions = _Regions()
 
-    def __reduce__(self) -> tuple[type[_Hooks], tuple[bool, bool]]:
-        return _Hooks, (self.use_reentrant, self.preserve_rng_state)
+    def __reduce__(
+        self,
+    ) -> tuple[type[_Hooks], tuple[Application[CheckpointState], bool, bool]]:
+        return _Hooks, (self.application, self.use_reentrant, self.preserve_rng_state)
 
     def open(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Forward pre-hook: start a region for this call (or a None item when unchecked)."""
@@ -312,7 +321,7 @@ class _Hooks:
         # The slot is taken first so that the cleanup hook pops this call's item even
         # when opening the region raises.
         regions.open.append(None)
-        record = checkpoint.get_state(module)
+        record = self.application.record(module)
         if record is None or not record.enabled or not torch.is_grad_enabled():
             return
         if not self.use_reentrant:
@@ -387,7 +396,7 @@ def checkpoint(
             record, use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state
         ),
     )
-    hooks = _Hooks(use_reentrant, preserve_rng_state)
+    hooks = _Hooks(checkpoint.application(module), use_reentrant, preserve_rng_state)
     module.register_forward_pre_hook(hooks.open, prepend=True, with_kwargs=True)
     module.register_forward_hook(hooks.finish, prepend=True)
     module.register_forward_hook(hooks.close, always_call=True)
