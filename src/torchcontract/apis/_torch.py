@@ -24,15 +24,19 @@ __all__ = [
     "broadcast",
     "checkpoint_generator",
     "checkpoint_is_valid",
+    "current_graph_task_id",
     "device_module_initialized",
     "fork_rng",
     "get_device_states",
     "infer_device_type",
     "manual_seed",
     "optimizer_step",
+    "queue_callback",
+    "register_hook",
     "register_post_accumulate_grad_hook",
     "set_device_states",
     "to_bools",
+    "to_ints",
 ]
 
 #: ``torch.utils.checkpoint._checkpoint_without_reentrant_generator(fn, preserve_rng_state,
@@ -109,6 +113,31 @@ def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
 def to_bools(tensor: Tensor) -> list[bool]:
     """The elements of a 1-D boolean tensor, in one device-to-host copy."""
     return cast(Callable[[], list[bool]], tensor.tolist)()
+
+
+def to_ints(tensor: Tensor) -> list[int]:
+    """The elements of a 1-D integer tensor, in one device-to-host copy."""
+    return cast(Callable[[], list[int]], tensor.tolist)()
+
+
+#: The id of the autograd graph task running in this thread (a backward pass), or -1.
+current_graph_task_id: Final = torch._C._current_graph_task_id
+
+_queue_callback: Final = cast(
+    Callable[[Callable[[], None]], None],
+    torch.autograd.Variable._execution_engine.queue_callback,
+)
+
+
+def queue_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the backward pass running in this thread ends."""
+    _queue_callback(callback)
+
+
+def register_hook(tensor: Tensor, hook: Callable[[Tensor], None]) -> RemovableHandle:
+    """Call ``hook(grad)`` when the gradient of ``tensor`` is computed in a backward pass."""
+    register = cast(Callable[[Callable[[Tensor], None]], RemovableHandle], tensor.register_hook)
+    return register(hook)
 
 
 def register_post_accumulate_grad_hook(

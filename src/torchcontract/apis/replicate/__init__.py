@@ -1,0 +1,15 @@
+"""replicate(): data-parallel training by averaging gradients across a process group.
+
+What ``torch.nn.parallel.DistributedDataParallel`` computes, through hooks
+instead of a wrapper module. The frozen record (``ReplicateState``, in
+``_state``) holds what is fixed or counted; the runtime bookkeeping lives in a
+``Reducer`` (``_reducer``) that only the hooks hold; ``_buckets`` decides which
+parameters are reduced together; ``_api`` holds the API and ``no_sync``.
+"""
+
+from __future__ import annotations
+
+from ._api import no_sync, replicate
+from ._state import ReplicateState
+
+__all__ = ["ReplicateState", "no_sync", "replicate"]

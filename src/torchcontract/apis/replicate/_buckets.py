@@ -1,0 +1,63 @@
+"""Bucketing: which parameters are reduced together, and broadcasts in flat chunks.
+
+As ``DistributedDataParallel``: buckets hold one device and dtype each, the first
+bucket of each kind is small (1 MiB, so the first collective starts early) and
+the others hold up to ``bucket_cap_mb``; a parameter larger than a cap gets a
+bucket of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Final
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import _torch
+
+__all__ = ["FIRST_BUCKET_BYTES", "assign_buckets", "broadcast_from_first_rank"]
+
+#: DDP's ``dist._DEFAULT_FIRST_BUCKET_BYTES``.
+FIRST_BUCKET_BYTES: Final = 1024 * 1024
+
+_Kind = tuple[torch.device, torch.dtype]
+
+
+def assign_buckets(
+    tensors: Sequence[Tensor], order: Iterable[int], first_cap: int, cap: int
+) -> list[list[int]]:
+    """Split the indices of ``tensors``, taken in ``order``, into buckets, in launch order."""
+    buckets: list[list[int]] = []
+    # Per kind: the open bucket, its bytes so far, and its cap (first_cap for the first).
+    open_buckets: dict[_Kind, tuple[list[int], int, int]] = {}
+    for index in order:
+        tensor = tensors[index]
+        kind = (tensor.device, tensor.dtype)
+        size = tensor.numel() * tensor.element_size()
+        bucket, used, limit = open_buckets.get(kind, ([], 0, first_cap))
+        if bucket and used + size > limit:
+            bucket, used, limit = [], 0, cap
+        if not bucket:
+            buckets.append(bucket)
+        bucket.append(index)
+        open_buckets[kind] = (bucket, used + size, limit)
+    return buckets
+
+
+def broadcast_from_first_rank(
+    tensors: Sequence[Tensor], group: dist.ProcessGroup, cap_bytes: int
+) -> None:
+    """Overwrite ``tensors`` with the group's first rank's values, in flat chunks per kind."""
+    if not tensors:
+        return
+    source = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for chunk in assign_buckets(tensors, range(len(tensors)), cap_bytes, cap_bytes):
+            members = [tensors[index] for index in chunk]
+            flat = torch.cat([tensor.reshape(-1) for tensor in members])
+            _torch.broadcast(flat, source, group)
+            values = torch.split(flat, [tensor.numel() for tensor in members])
+            for tensor, value in zip(members, values, strict=True):
+                tensor.copy_(value.view_as(tensor))

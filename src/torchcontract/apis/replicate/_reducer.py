@@ -1,0 +1,265 @@
+"""The reducer: which backward synchronizes, and the averaging of gradients in buckets.
+
+Semantics are those of ``DistributedDataParallel(find_unused_parameters=True)``:
+
+* Whether a backward synchronizes is decided by the forward that built its
+  graph: a forward of the replicated module with grad enabled and
+  ``sync_gradients`` on arms its outputs, and the first backward that reaches
+  one of them synchronizes, once. Any other backward (inside ``no_sync``, a
+  second one through a retained graph, one that never went through the module's
+  forward) only accumulates locally and issues no collective, so it cannot hang.
+* A parameter counts as used if its gradient was accumulated in any backward
+  since the last synchronization (``no_sync`` steps included). At the end of a
+  synchronizing backward, every parameter used on some rank gets the mean over
+  ranks of ``.grad``: what it holds now, earlier accumulation included, or zeros
+  where it has none. A parameter no rank used keeps its ``.grad`` untouched.
+* Buckets are all-reduced asynchronously, strictly in order, each as soon as all
+  of its parameters' gradients arrived in this backward; the rest at the end.
+  After the first synchronizing backward the buckets are rebuilt in the order
+  gradients arrived on the first rank, so later backwards launch them early.
+
+The reducer holds the module and its parameters weakly: the hooks hold the
+reducer, and dropping the model frees it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from torchcontract import Application, ContractError
+
+from .. import _torch
+from ._buckets import FIRST_BUCKET_BYTES, assign_buckets, broadcast_from_first_rank
+from ._state import ReplicateState
+
+__all__ = ["Reducer"]
+
+#: Called at the end of each synchronized backward, with the new buckets once rebuilt.
+OnSynchronized = Callable[[nn.Module, tuple[tuple[str, ...], ...] | None], None]
+
+
+class Reducer:
+    """Runtime bookkeeping of one ``replicate`` application; held only by its hooks."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        application: Application[ReplicateState],
+        *,
+        group: dist.ProcessGroup,
+        named: Sequence[tuple[str, nn.Parameter]],
+        cap_bytes: int,
+        on_synchronized: OnSynchronized,
+    ) -> None:
+        self._module = weakref.ref(module)
+        self._application = application
+        self._group = group
+        self._names = tuple(name for name, _ in named)
+        self._parameters = tuple(weakref.ref(parameter) for _, parameter in named)
+        self._cap_bytes = cap_bytes
+        # As DDP: a smaller first bucket, so that the first collective starts early.
+        self._first_cap = min(FIRST_BUCKET_BYTES, cap_bytes)
+        self._on_synchronized = on_synchronized
+        count = len(named)
+        self._used = [False] * count  # accumulated into since the last synchronization
+        self._arrival: list[int] | None = []  # arrival order until the buckets are rebuilt
+        self._task = -1  # the autograd graph task that synchronizes, or -1
+        # DDP's require_forward_param_sync: buffers are broadcast before a forward
+        # that follows a synchronizing one (and before the first).
+        self.sync_buffers_next_forward = True
+        parameters = [parameter for _, parameter in named]
+        self._set_buckets(
+            assign_buckets(parameters, reversed(range(count)), self._first_cap, cap_bytes)
+        )
+
+    @property
+    def bucket_names(self) -> tuple[tuple[str, ...], ...]:
+        """The buckets as FQN tuples, in launch order."""
+        return tuple(tuple(self._names[index] for index in bucket) for bucket in self._buckets)
+
+    def _set_buckets(self, buckets: Sequence[Sequence[int]]) -> None:
+        self._buckets = tuple(tuple(bucket) for bucket in buckets)
+        self._bucket_of = [0] * len(self._names)
+        for position, bucket in enumerate(self._buckets):
+            for index in bucket:
+                self._bucket_of[index] = position
+        self._reset_backward()
+
+    def _reset_backward(self) -> None:
+        self._task = -1
+        self._waiting = [len(bucket) for bucket in self._buckets]
+        self._next = 0  # the next bucket to launch: buckets launch strictly in order
+        self._launched: list[tuple[int, Tensor, dist.Work]] = []
+
+    # ------------------------------------------------------------ forward
+
+    def before_forward(self, module: nn.Module) -> None:
+        """Forward pre-hook body: broadcast rank 0's buffers when DDP would."""
+        record = self._application.record(module)
+        if record is None or not record.broadcast_buffers or not self.sync_buffers_next_forward:
+            return
+        buffers = list(module.buffers())
+        if buffers and self._group.size() > 1:
+            broadcast_from_first_rank(buffers, self._group, self._cap_bytes)
+
+    def after_forward(self, module: nn.Module, output: object) -> None:
+        """Forward hook body: arm the outputs of a synchronizing forward."""
+        record = self._application.record(module)
+        if record is None:
+            return
+        synchronizing = torch.is_grad_enabled() and record.sync_gradients
+        self.sync_buffers_next_forward = synchronizing
+        if not synchronizing:
+            return
+        tensors = [
+            leaf
+            for leaf in pytree.tree_leaves(output)
+            if isinstance(leaf, Tensor) and leaf.requires_grad
+        ]
+        if tensors:
+            armed = _Armed(self)
+            for tensor in tensors:
+                _torch.register_hook(tensor, armed)
+
+    # ------------------------------------------------------------ backward
+
+    def begin(self) -> None:
+        """Synchronize the backward now running (called from an armed output's hook)."""
+        task = _torch.current_graph_task_id()
+        if self._task == task:
+            return  # another armed output of the same backward
+        if self._task != -1:
+            # A synchronizing backward failed before its end: start afresh.
+            self._reset_backward()
+        self._task = task
+        _torch.queue_callback(self._finish)
+
+    def ready(self, index: int) -> None:
+        """A parameter's gradient was accumulated: mark it used; launch what is complete."""
+        self._used[index] = True
+        if self._task == -1 or self._task != _torch.current_graph_task_id():
+            # A local backward, or a nested one (a reentrant checkpoint's): its
+            # gradients are averaged with the rest at the end of the synchronizing one.
+            return
+        if self._arrival is not None:
+            self._arrival.append(index)
+        bucket = self._bucket_of[index]
+        self._waiting[bucket] -= 1
+        while self._next < len(self._buckets) and self._waiting[self._next] == 0:
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, position: int) -> None:
+        """Start averaging one bucket: every rank's ``.grad`` (or zeros) and whether it was used."""
+        bucket = self._buckets[position]
+        parts: list[Tensor] = []
+        flags: list[float] = []
+        for index in bucket:
+            parameter = self._parameter(index)
+            grad = parameter.grad
+            if grad is None:
+                parts.append(torch.zeros(parameter.numel(), dtype=parameter.dtype))
+            elif grad.is_sparse:
+                raise ContractError(
+                    f"replicate: {self._names[index]!r} has a sparse gradient, which replicate "
+                    "does not average; use dense gradients (e.g. nn.Embedding(sparse=False)) or "
+                    "DistributedDataParallel"
+                )
+            else:
+                parts.append(grad.reshape(-1))
+            flags.append(1.0 if self._used[index] else 0.0)
+        # One element per parameter: whether any rank used it, so a parameter that no
+        # rank used keeps its .grad untouched, as DDP leaves it.
+        parts.append(torch.tensor(flags, dtype=parts[0].dtype, device=parts[0].device))
+        flat = torch.cat(parts)
+        # As DDP: multiply by the reciprocal (not divide), for bit-equal averages.
+        flat.mul_(1.0 / self._group.size())
+        self._launched.append((position, flat, _torch.all_reduce(flat, self._group)))
+
+    def _parameter(self, index: int) -> Tensor:
+        parameter = self._parameters[index]()
+        if parameter is None:
+            raise ContractError(f"replicate: parameter {self._names[index]!r} was freed")
+        return parameter
+
+    def _finish(self) -> None:
+        """Run by the autograd engine at the end of a synchronizing backward."""
+        rebuilt: tuple[tuple[str, ...], ...] | None = None
+        try:
+            while self._next < len(self._buckets):
+                self._launch(self._next)
+                self._next += 1
+            for position, flat, work in self._launched:
+                work.wait()
+                self._write_back(position, flat)
+            if self._arrival is not None:
+                self._rebuild(self._arrival)
+                self._arrival = None
+                rebuilt = self.bucket_names
+        finally:
+            self._used = [False] * len(self._names)
+            self._reset_backward()
+        module = self._module()
+        if module is not None:
+            self._on_synchronized(module, rebuilt)
+
+    def _write_back(self, position: int, flat: Tensor) -> None:
+        bucket = self._buckets[position]
+        sizes = [self._parameter(index).numel() for index in bucket]
+        *averages, used = torch.split(flat, [*sizes, len(bucket)])
+        for index, average, was_used in zip(
+            bucket, averages, _torch.to_bools(used > 0), strict=True
+        ):
+            if not was_used:
+                continue
+            parameter = self._parameter(index)
+            if parameter.grad is None:
+                parameter.grad = average.view_as(parameter).clone()
+            else:
+                parameter.grad.copy_(average.view_as(parameter))
+
+    def _rebuild(self, arrival: list[int]) -> None:
+        """Bucket anew in the first rank's arrival order (then the rest, last defined first)."""
+        arrived = set(arrival)
+        order = arrival + [i for i in reversed(range(len(self._names))) if i not in arrived]
+        shared = torch.tensor(order, dtype=torch.int64)
+        if self._group.size() > 1:
+            _torch.broadcast(shared, dist.get_global_rank(self._group, 0), self._group)
+        parameters = [self._parameter(index) for index in range(len(self._names))]
+        self._set_buckets(
+            assign_buckets(parameters, _torch.to_ints(shared), self._first_cap, self._cap_bytes)
+        )
+
+
+class _Armed:
+    """Hook on the outputs of one synchronizing forward: the first backward through them syncs."""
+
+    __slots__ = ("_reducer", "_used")
+
+    def __init__(self, reducer: Reducer) -> None:
+        self._reducer = reducer
+        self._used = False
+
+    def __call__(self, grad: Tensor) -> None:
+        if not self._used:
+            self._used = True
+            self._reducer.begin()
+
+
+class ParameterHook:
+    """The post-accumulate-grad hook of one parameter: tells the reducer it is ready."""
+
+    __slots__ = ("_index", "_reducer")
+
+    def __init__(self, reducer: Reducer, index: int) -> None:
+        self._reducer = reducer
+        self._index = index
+
+    def __call__(self, parameter: Tensor) -> None:
+        self._reducer.ready(self._index)

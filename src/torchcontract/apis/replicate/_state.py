@@ -1,0 +1,35 @@
+"""ReplicateState: the frozen record of ``replicate`` on a module."""
+
+from __future__ import annotations
+
+import attrs
+import torch.distributed as dist
+
+__all__ = ["ReplicateState"]
+
+
+def _group_repr(group: dist.ProcessGroup | None) -> str:
+    if group is None:
+        return "None"
+    return f"<ProcessGroup {group.name()} rank {group.rank()} of {group.size()}>"
+
+
+@attrs.frozen
+class ReplicateState:
+    """The record of ``replicate`` on a module.
+
+    ``process_group``: the group gradients are averaged over. ``buckets``: the
+    FQNs of the parameters reduced together, in launch order (rebuilt once, after
+    the first synchronized backward, in the order gradients arrived).
+    ``broadcast_buffers``: whether rank 0's buffers are copied to every rank before
+    each forward that follows a synchronized one, as ``DistributedDataParallel``
+    does. ``step``: the number of synchronized backward passes.
+    ``sync_gradients``: False while forwards build graphs whose backward only
+    accumulates locally (see ``no_sync``).
+    """
+
+    process_group: dist.ProcessGroup | None = attrs.field(default=None, repr=_group_repr)
+    buckets: tuple[tuple[str, ...], ...] = ()
+    broadcast_buffers: bool = True
+    step: int = 0
+    sync_gradients: bool = True

@@ -1,0 +1,268 @@
+"""replicate against DistributedDataParallel(find_unused_parameters=True), off the happy path.
+
+Each scenario is a plan of micro-steps per optimizer step: forwards and backwards
+inside and outside ``no_sync``, parameters used on some ranks only, gradients
+already present, backwards that never went through the model's forward, a second
+backward through a retained graph, a backward on one rank alone, evaluation
+forwards, BatchNorm buffers. Both models run the same plan on the same data;
+after every micro-step the gradients, and after every optimizer step the
+parameters and buffers, must equal DDP's, and the ranks must agree. One job per
+world size runs every scenario (starting ranks is the slow part).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Final
+
+import attrs
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from torchcontract.apis import no_sync, replicate
+from torchcontract.testing import run_distributed
+
+TOLERANCE: Final = 1e-6
+STEPS: Final = 6
+FEATURES: Final = 6
+
+
+class TwoPaths(nn.Module):
+    """BatchNorm, then two branches ``a`` and ``b`` a forward may use or skip, then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(FEATURES)
+        self.a = nn.Linear(FEATURES, FEATURES)
+        self.b = nn.Linear(FEATURES, FEATURES)
+        self.head = nn.Linear(FEATURES, 1)
+
+    def forward(self, x: Tensor, use: str = "ab") -> Tensor:
+        h = self.norm(x)
+        out: Tensor = self.head(sum((getattr(self, name)(h) for name in use), torch.zeros_like(h)))
+        return out
+
+
+#: How one micro-step runs: ``sync`` (forward and backward outside no_sync),
+#: ``local`` (both inside), ``forward_local`` (forward inside, backward outside),
+#: ``backward_local`` (forward outside, backward inside), ``retained`` (forward
+#: outside, then two backwards through the same graph), ``direct`` (a backward
+#: from a parameter, never through the forward), ``direct_rank0`` (the same, on
+#: rank 0 alone), ``eval`` (a forward in eval mode without grad).
+KINDS: Final = (
+    "sync",
+    "local",
+    "forward_local",
+    "backward_local",
+    "retained",
+    "direct",
+    "direct_rank0",
+    "eval",
+)
+
+
+@attrs.frozen
+class Micro:
+    kind: str
+    use: Callable[[int], str] = lambda rank: "ab"
+
+
+@attrs.frozen
+class Scenario:
+    name: str
+    plan: tuple[Micro, ...]
+
+
+def _b_on_rank0(rank: int) -> str:
+    return "ab" if rank == 0 else "a"
+
+
+SCENARIOS: Final = (
+    Scenario("plain", (Micro("sync"),)),
+    Scenario("no_sync_unused", (Micro("local", lambda rank: "b"), Micro("sync", lambda r: "a"))),
+    Scenario("grads_present", (Micro("sync"), Micro("sync", _b_on_rank0))),
+    Scenario("unused_on_some_ranks", (Micro("sync", _b_on_rank0),)),
+    Scenario("forward_local", (Micro("forward_local"), Micro("sync", lambda rank: "a"))),
+    Scenario("backward_local", (Micro("backward_local"),)),
+    Scenario("direct", (Micro("direct"), Micro("sync"))),
+    Scenario("direct_rank0", (Micro("direct_rank0"), Micro("sync"))),
+    Scenario("retained", (Micro("retained"), Micro("sync", lambda rank: "b"))),
+    # After an evaluation forward DDP skips the next broadcast of buffers; so does replicate.
+    Scenario("eval", (Micro("eval"), Micro("sync"))),
+)
+
+
+def _model() -> TwoPaths:
+    torch.manual_seed(0)
+    return TwoPaths()
+
+
+def _inputs(rank: int, step: int, micro: int) -> Tensor:
+    generator = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+    return torch.randn(8, FEATURES, generator=generator) * (rank + 1)
+
+
+def _micro_step(
+    model: nn.Module,
+    sync_off: Callable[[], contextlib.AbstractContextManager[None]],
+    raw: TwoPaths,
+    micro: Micro,
+    x: Tensor,
+    rank: int,
+) -> None:
+    """Run one micro-step on ``model`` (replicated, or DDP around ``raw``)."""
+    use = micro.use(rank)
+
+    def loss() -> Tensor:
+        return model(x, use).pow(2).mean()
+
+    kind = micro.kind
+    if kind == "sync":
+        loss().backward()
+    elif kind == "local":
+        with sync_off():
+            loss().backward()
+    elif kind == "forward_local":
+        with sync_off():
+            value = loss()
+        value.backward()
+    elif kind == "backward_local":
+        value = loss()
+        with sync_off():
+            value.backward()
+    elif kind == "retained":
+        value = loss()
+        value.backward(retain_graph=True)
+        value.backward()
+    elif kind == "direct" or (kind == "direct_rank0" and rank == 0):
+        (raw.a.weight.sum() * (rank + 1) / 100).backward()
+    elif kind == "eval":
+        raw.eval()
+        with torch.no_grad():
+            model(x, use)
+        raw.train()
+
+
+def _gap(mine: list[Tensor | None], theirs: list[Tensor | None]) -> float:
+    gap = 0.0
+    for a, b in zip(mine, theirs, strict=True):
+        if (a is None) != (b is None):
+            return float("inf")  # a gradient on one side only
+        if a is not None and b is not None:
+            gap = max(gap, float((a.detach() - b.detach()).abs().max()))
+    return gap
+
+
+def _rank_spread(tensors: list[Tensor]) -> float:
+    """The largest difference of these tensors between this rank and rank 0."""
+    flat = torch.cat([tensor.detach().reshape(-1) for tensor in tensors])
+    first = flat.clone()
+    dist.broadcast(first, 0)
+    return float((flat - first).abs().max())
+
+
+@attrs.frozen
+class Gaps:
+    """The largest differences seen over a scenario, on one rank."""
+
+    grads: float
+    params: float
+    buffers: float
+    ranks_params: float
+    # After a final evaluation forward, which broadcasts rank 0's buffers in both.
+    ranks_buffers: float
+    eval_output: float
+    steps: int
+
+
+def _run(scenario: Scenario, rank: int) -> Gaps:
+    mine, raw = _model(), _model()
+    replicate(mine)
+    ddp = DistributedDataParallel(raw, find_unused_parameters=True)
+    optimizers = [
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) for model in (mine, raw)
+    ]
+    grads = params = buffers = ranks_params = 0.0
+    for step in range(STEPS):
+        for index, micro in enumerate(scenario.plan):
+            x = _inputs(rank, step, index)
+            _micro_step(mine, lambda: no_sync(mine), mine, micro, x, rank)
+            _micro_step(ddp, ddp.no_sync, raw, micro, x, rank)
+            grads = max(
+                grads, _gap([p.grad for p in mine.parameters()], [p.grad for p in raw.parameters()])
+            )
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        params = max(params, _gap(list(mine.parameters()), list(raw.parameters())))
+        buffers = max(buffers, _gap(list(mine.buffers()), list(raw.buffers())))
+        ranks_params = max(ranks_params, _rank_spread(list(mine.parameters())))
+    mine.eval()
+    raw.eval()
+    x = _inputs(rank, STEPS, 0)
+    with torch.no_grad():
+        eval_output = float((mine(x) - ddp(x)).abs().max())
+    buffers = max(buffers, _gap(list(mine.buffers()), list(raw.buffers())))
+    return Gaps(
+        grads,
+        params,
+        buffers,
+        ranks_params,
+        _rank_spread(list(mine.buffers())),
+        eval_output,
+        replicate.state(mine).step,
+    )
+
+
+def _job(rank: int, world_size: int) -> dict[str, Gaps]:
+    return {scenario.name: _run(scenario, rank) for scenario in SCENARIOS}
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
+def results(request: pytest.FixtureRequest) -> list[dict[str, Gaps]]:
+    world_size: int = request.param
+    return run_distributed(_job, world_size, timeout=120)
+
+
+def _each(results: list[dict[str, Gaps]], name: str) -> Iterator[Gaps]:
+    for by_scenario in results:
+        yield by_scenario[name]
+
+
+@pytest.mark.parametrize("name", [scenario.name for scenario in SCENARIOS])
+def test_gradients_parameters_and_buffers_equal_ddp(
+    results: list[dict[str, Gaps]], name: str
+) -> None:
+    for gaps in _each(results, name):
+        assert gaps.grads <= TOLERANCE, f"gradients differ from DDP's by {gaps.grads}"
+        assert gaps.params <= TOLERANCE, f"parameters differ from DDP's by {gaps.params}"
+        assert gaps.buffers <= TOLERANCE, f"buffers differ from DDP's by {gaps.buffers}"
+        assert gaps.eval_output <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", [scenario.name for scenario in SCENARIOS])
+def test_ranks_stay_equal(results: list[dict[str, Gaps]], name: str) -> None:
+    for gaps in _each(results, name):
+        assert gaps.ranks_params <= TOLERANCE
+        assert gaps.ranks_buffers <= TOLERANCE
+
+
+def test_step_counts_only_synchronizing_backwards(results: list[dict[str, Gaps]]) -> None:
+    per_step = {  # synchronizing backwards per optimizer step, by scenario
+        "plain": 1,
+        "no_sync_unused": 1,
+        "grads_present": 2,
+        "forward_local": 1,
+        "backward_local": 1,
+        "direct": 1,
+        "direct_rank0": 1,
+        "retained": 2,
+        "eval": 1,
+    }
+    for name, count in per_step.items():
+        for gaps in _each(results, name):
+            assert gaps.steps == count * STEPS, name
