@@ -13,6 +13,7 @@ world size runs every scenario (starting ranks is the slow part).
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 from typing import Final
 
@@ -75,6 +76,9 @@ class Micro:
 class Scenario:
     name: str
     plan: tuple[Micro, ...]
+    # Build the model as a deep copy of a replicated prototype, which carries the
+    # prototype's hooks along (torch copies hooks), then apply replicate to the copy.
+    from_replicated_copy: bool = False
 
 
 def _b_on_rank0(rank: int) -> str:
@@ -93,6 +97,7 @@ SCENARIOS: Final = (
     Scenario("retained", (Micro("retained"), Micro("sync", lambda rank: "b"))),
     # After an evaluation forward DDP skips the next broadcast of buffers; so does replicate.
     Scenario("eval", (Micro("eval"), Micro("sync"))),
+    Scenario("deep_copy", (Micro("local", lambda rank: "b"), Micro("sync")), True),
 )
 
 
@@ -111,6 +116,7 @@ def _micro_step(
     sync_off: Callable[[], contextlib.AbstractContextManager[None]],
     raw: TwoPaths,
     micro: Micro,
+    *,
     x: Tensor,
     rank: int,
 ) -> None:
@@ -118,28 +124,29 @@ def _micro_step(
     use = micro.use(rank)
 
     def loss() -> Tensor:
-        return model(x, use).pow(2).mean()
+        out: Tensor = model(x, use)
+        return out.pow(2).mean()
 
     kind = micro.kind
     if kind == "sync":
-        loss().backward()
+        torch.autograd.backward(loss())
     elif kind == "local":
         with sync_off():
-            loss().backward()
+            torch.autograd.backward(loss())
     elif kind == "forward_local":
         with sync_off():
             value = loss()
-        value.backward()
+        torch.autograd.backward(value)
     elif kind == "backward_local":
         value = loss()
         with sync_off():
-            value.backward()
+            torch.autograd.backward(value)
     elif kind == "retained":
         value = loss()
-        value.backward(retain_graph=True)
-        value.backward()
+        torch.autograd.backward(value, retain_graph=True)
+        torch.autograd.backward(value)
     elif kind == "direct" or (kind == "direct_rank0" and rank == 0):
-        (raw.a.weight.sum() * (rank + 1) / 100).backward()
+        torch.autograd.backward(raw.a.weight.sum() * (rank + 1) / 100)
     elif kind == "eval":
         raw.eval()
         with torch.no_grad():
@@ -181,6 +188,10 @@ class Gaps:
 
 def _run(scenario: Scenario, rank: int) -> Gaps:
     mine, raw = _model(), _model()
+    if scenario.from_replicated_copy:
+        replicate(mine)
+        mine = copy.deepcopy(mine)
+        assert len(mine._forward_hooks) == 1  # the prototype's, inherited
     replicate(mine)
     ddp = DistributedDataParallel(raw, find_unused_parameters=True)
     optimizers = [
@@ -190,8 +201,8 @@ def _run(scenario: Scenario, rank: int) -> Gaps:
     for step in range(STEPS):
         for index, micro in enumerate(scenario.plan):
             x = _inputs(rank, step, index)
-            _micro_step(mine, lambda: no_sync(mine), mine, micro, x, rank)
-            _micro_step(ddp, ddp.no_sync, raw, micro, x, rank)
+            _micro_step(mine, lambda: no_sync(mine), mine, micro, x=x, rank=rank)
+            _micro_step(ddp, ddp.no_sync, raw, micro, x=x, rank=rank)
             grads = max(
                 grads, _gap([p.grad for p in mine.parameters()], [p.grad for p in raw.parameters()])
             )
@@ -262,6 +273,7 @@ def test_step_counts_only_synchronizing_backwards(results: list[dict[str, Gaps]]
         "direct_rank0": 1,
         "retained": 2,
         "eval": 1,
+        "deep_copy": 1,
     }
     for name, count in per_step.items():
         for gaps in _each(results, name):

@@ -29,18 +29,28 @@ def _is_reentrant(entry: RegistryEntry) -> bool:
 
 
 class _ForwardHooks:
-    """The module's forward pre-hook and hook; they hold the reducer, never the module."""
+    """The module's forward pre-hook and hook; they hold the reducer, never the module.
+
+    Copies and pickles of the module get inert hooks (without a reducer): the
+    reducer holds a process group, which neither copies nor pickles, and the
+    copy gets hooks of its own when replicate is applied to it.
+    """
 
     __slots__ = ("_reducer",)
 
-    def __init__(self, reducer: Reducer) -> None:
+    def __init__(self, reducer: Reducer | None) -> None:
         self._reducer = reducer
 
+    def __reduce__(self) -> tuple[type[_ForwardHooks], tuple[None]]:
+        return _ForwardHooks, (None,)
+
     def before(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        self._reducer.before_forward(module)
+        if self._reducer is not None:
+            self._reducer.before_forward(module)
 
     def after(self, module: nn.Module, args: tuple[Any, ...], output: object) -> None:
-        self._reducer.after_forward(module, output)
+        if self._reducer is not None:
+            self._reducer.after_forward(module, output)
 
 
 def _count_synchronization(module: nn.Module, buckets: tuple[tuple[str, ...], ...] | None) -> None:
