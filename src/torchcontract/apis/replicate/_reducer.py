@@ -85,6 +85,10 @@ class Reducer:
 
     def _set_buckets(self, buckets: Sequence[Sequence[int]]) -> None:
         self._buckets = tuple(tuple(bucket) for bucket in buckets)
+        # Per bucket, allocated at its first launch: a flat buffer (the gradients, then
+        # one used-flag per parameter) and its views; kept across backwards, as DDP's.
+        self._flats: list[Tensor] = [torch.empty(0)] * len(self._buckets)
+        self._views: list[list[Tensor] | None] = [None] * len(self._buckets)
         self._bucket_of = [0] * len(self._names)
         for position, bucket in enumerate(self._buckets):
             for index in bucket:
@@ -95,7 +99,7 @@ class Reducer:
         self._task = -1
         self._waiting = [len(bucket) for bucket in self._buckets]
         self._next = 0  # the next bucket to launch: buckets launch strictly in order
-        self._launched: list[tuple[int, Tensor, dist.Work]] = []
+        self._launched: list[tuple[int, dist.Work]] = []
 
     # ------------------------------------------------------------ forward
 
@@ -158,13 +162,16 @@ class Reducer:
     def _launch(self, position: int) -> None:
         """Start averaging one bucket: every rank's ``.grad`` (or zeros) and whether it was used."""
         bucket = self._buckets[position]
-        parts: list[Tensor] = []
-        flags: list[float] = []
-        for index in bucket:
-            parameter = self._parameter(index)
-            grad = parameter.grad
+        views = self._views[position]
+        if views is None:
+            views = self._allocate(position)
+        # As DDP: scale by the reciprocal while copying into the bucket (one pass, and
+        # bit-equal averages).
+        scale = 1.0 / self._group.size()
+        for index, view in zip(bucket, views, strict=False):
+            grad = self._parameter(index).grad
             if grad is None:
-                parts.append(torch.zeros(parameter.numel(), dtype=parameter.dtype))
+                view.zero_()
             elif grad.is_sparse:
                 raise ContractError(
                     f"replicate: {self._names[index]!r} has a sparse gradient, which replicate "
@@ -172,15 +179,22 @@ class Reducer:
                     "DistributedDataParallel"
                 )
             else:
-                parts.append(grad.reshape(-1))
-            flags.append(1.0 if self._used[index] else 0.0)
-        # One element per parameter: whether any rank used it, so a parameter that no
-        # rank used keeps its .grad untouched, as DDP leaves it.
-        parts.append(torch.tensor(flags, dtype=parts[0].dtype, device=parts[0].device))
-        flat = torch.cat(parts)
-        # As DDP: multiply by the reciprocal (not divide), for bit-equal averages.
-        flat.mul_(1.0 / self._group.size())
-        self._launched.append((position, flat, _torch.all_reduce(flat, self._group)))
+                torch.mul(grad.reshape(-1), scale, out=view)
+        # The last view has one element per parameter: whether any rank used it, so a
+        # parameter that no rank used keeps its .grad untouched, as DDP leaves it.
+        views[-1].copy_(torch.tensor([scale if self._used[index] else 0.0 for index in bucket]))
+        flat = self._flats[position]
+        self._launched.append((position, _torch.all_reduce(flat, self._group)))
+
+    def _allocate(self, position: int) -> list[Tensor]:
+        """Make a bucket's flat buffer, kept across backwards, and its views per parameter."""
+        bucket = self._buckets[position]
+        first = self._parameter(bucket[0])
+        sizes = [self._parameter(index).numel() for index in bucket]
+        flat = torch.empty(sum(sizes) + len(bucket), dtype=first.dtype, device=first.device)
+        self._flats[position] = flat
+        views = self._views[position] = list(torch.split(flat, [*sizes, len(bucket)]))
+        return views
 
     def _parameter(self, index: int) -> Tensor:
         parameter = self._parameters[index]()
@@ -195,9 +209,9 @@ class Reducer:
             while self._next < len(self._buckets):
                 self._launch(self._next)
                 self._next += 1
-            for position, flat, work in self._launched:
+            for position, work in self._launched:
                 work.wait()
-                self._write_back(position, flat)
+                self._write_back(position)
             if self._arrival is not None:
                 self._rebuild(self._arrival)
                 self._arrival = None
@@ -209,13 +223,12 @@ class Reducer:
         if module is not None:
             self._on_synchronized(module, rebuilt)
 
-    def _write_back(self, position: int, flat: Tensor) -> None:
+    def _write_back(self, position: int) -> None:
         bucket = self._buckets[position]
-        sizes = [self._parameter(index).numel() for index in bucket]
-        *averages, used = torch.split(flat, [*sizes, len(bucket)])
-        for index, average, was_used in zip(
-            bucket, averages, _torch.to_bools(used > 0), strict=True
-        ):
+        views = self._views[position]
+        assert views is not None
+        used = _torch.to_bools(views[-1] > 0)
+        for index, average, was_used in zip(bucket, views, used, strict=False):
             if not was_used:
                 continue
             parameter = self._parameter(index)
