@@ -39,6 +39,8 @@ TORCH: Final = "torch"
 
 #: The targets of the performance issue: ratio torchcontract / torch at 512 blocks.
 RATIO_TARGETS: Final = {"root apply": 0.33, "FSDP pattern": 0.5, "state() lookup": 0.7}
+#: The target of training steps against DDP: the in-rank ratio over alternating steps.
+ALTERNATING_TARGET: Final = 1.0
 GROWTH_TARGET: Final = 9.0  # time at 512 blocks over time at 64 blocks, root apply
 GROWTH_FROM, GROWTH_TO = 64, 512
 
@@ -69,6 +71,9 @@ class Result:
     calls: int | None  # calls per round, when a round repeats one small call
     bytes_per_module: float | None
     timer: str  # the timer's name, e.g. "time.process_time"
+    # Training steps: in-rank median over alternating steps of both libraries, and its ratio.
+    alternating_ms: float | None = None
+    alternating_ratio: float | None = None
 
     @property
     def per_call(self) -> float:
@@ -115,6 +120,8 @@ def _result(entry: dict[str, Any]) -> Result:
         calls=info.get("calls"),
         bytes_per_module=info.get("bytes_per_module"),
         timer=str(entry.get("options", {}).get("timer", "")),
+        alternating_ms=info.get("alternating_median_ms"),
+        alternating_ratio=info.get("alternating_ratio_to_torch"),
     )
 
 
@@ -158,6 +165,12 @@ def time_table(results: Sequence[Result]) -> list[str]:
             for name, result in by_library.items()
             if name not in (OURS, TORCH)
         )
+        if ours and theirs and ours.alternating_ratio is not None:
+            others = (
+                f"in-rank, alternating: {ours.alternating_ms} ms vs {theirs.alternating_ms} ms, "
+                f"ratio {ours.alternating_ratio:.3f} "
+                f"({_verdict(ours.alternating_ratio, ALTERNATING_TARGET)})"
+            )
         lines.append(
             f"| {workload}{per_call} | {blocks if blocks is not None else ''} "
             f"| {any_result.modules or ''} "

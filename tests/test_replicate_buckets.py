@@ -1,0 +1,62 @@
+"""Bucket assignment: every parameter once, one kind per bucket, DDP's caps, launch order."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import Tensor
+
+from torchcontract.apis.replicate._buckets import assign_buckets
+
+DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+tensors = st.lists(
+    st.tuples(st.integers(1, 64), st.sampled_from(DTYPES)).map(
+        lambda spec: torch.empty(spec[0], dtype=spec[1])
+    ),
+    min_size=1,
+    max_size=30,
+)
+
+
+def _bytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+@given(tensors, st.data(), st.integers(1, 200), st.integers(1, 400))
+def test_buckets_partition_the_order_by_kind_within_caps(
+    members: list[Tensor], data: st.DataObject, first_cap: int, cap: int
+) -> None:
+    order = data.draw(st.permutations(range(len(members))))
+    buckets = assign_buckets(members, order, first_cap, cap)
+    flat = [index for bucket in buckets for index in bucket]
+    assert sorted(flat) == list(range(len(members)))
+    seen_kinds: set[torch.dtype] = set()
+    for bucket in buckets:
+        kinds = {members[index].dtype for index in bucket}
+        assert len(kinds) == 1
+        (kind,) = kinds
+        limit = cap if kind in seen_kinds else first_cap
+        seen_kinds.add(kind)
+        if len(bucket) > 1:
+            assert sum(_bytes(members[index]) for index in bucket) <= limit
+        # Within a bucket, indices keep the order they were given in.
+        positions = [order.index(index) for index in bucket]
+        assert positions == sorted(positions)
+
+
+def test_first_bucket_is_small_and_the_rest_fill_to_the_cap() -> None:
+    members = [torch.empty(256) for _ in range(8)]  # 1 KiB each
+    buckets = assign_buckets(members, range(8), first_cap=1024, cap=4096)
+    assert buckets == [[0], [1, 2, 3, 4], [5, 6, 7]]
+
+
+def test_a_tensor_larger_than_the_cap_gets_a_bucket_of_its_own() -> None:
+    members = [torch.empty(4), torch.empty(1000), torch.empty(4)]
+    assert assign_buckets(members, [2, 1, 0], 64, 64) == [[2], [1], [0]]
+
+
+def test_buckets_launch_in_the_order_their_first_member_comes() -> None:
+    members = [torch.empty(4), torch.empty(4, dtype=torch.float64), torch.empty(4)]
+    assert assign_buckets(members, [1, 0, 2], 1024, 1024) == [[1], [0, 2]]

@@ -1,0 +1,35 @@
+"""Typing checks: the reference APIs' signatures and records.
+
+Checked, never run: by mypy (warn_unused_ignores) and basedpyright (strict, and the
+directive below), so a line marked as an error that stops being one fails the check.
+"""
+
+# pyright: reportUnnecessaryTypeIgnoreComment=error
+
+from __future__ import annotations
+
+from typing import assert_type
+
+import torch.distributed as dist
+from torch import nn
+
+from torchcontract import Application
+from torchcontract.apis import CheckpointState, ReplicateState, checkpoint, no_sync, replicate
+
+model = nn.Linear(2, 2)
+
+assert_type(replicate(model, bucket_cap_mb=1.0, broadcast_buffers=False), nn.Module)
+assert_type(replicate.state(model), ReplicateState)
+assert_type(replicate.state(model).buckets, tuple[tuple[str, ...], ...])
+assert_type(replicate.state(model).process_group, dist.ProcessGroup | None)
+assert_type(replicate.application(model), Application[ReplicateState])
+assert_type(checkpoint(model, use_reentrant=True), nn.Module)
+assert_type(checkpoint.state(model), CheckpointState)
+
+with no_sync(model):
+    pass
+
+replicate(model, broadcast_buffer=False)  # type: ignore[call-arg]
+replicate(model, bucket_cap_mb="25")  # type: ignore[arg-type]
+replicate(model, dist.group.WORLD)  # type: ignore[call-arg]
+checkpoint(model, reentrant=True)  # type: ignore[call-arg]
