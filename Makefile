@@ -3,7 +3,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PYTHON ?= python3
 
-.PHONY: test lint typecheck unit demo bench clean
+.PHONY: test lint typecheck unit demo bench dist clean
 
 $(BIN)/.installed: pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ demo: $(BIN)/.installed
 
 bench: $(BIN)/.installed
 	$(BIN)/python -m benchmarks.report
+
+dist: $(BIN)/.installed
+	rm -rf dist
+	$(BIN)/python -m build --no-isolation --outdir dist .
+	$(BIN)/twine check --strict dist/*
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import platform
 
+import torch
 from hypothesis import settings
 
 # Tests run on a few shared CPU cores; a per-example deadline would only measure the
@@ -15,3 +17,8 @@ settings.register_profile(
     deadline=None,
 )
 settings.load_profile("torchcontract")
+
+
+def pytest_report_header() -> str:
+    """Name the torch this run tests against, first thing in every run's output."""
+    return f"torch {torch.__version__} (Python {platform.python_version()})"

@@ -73,6 +73,9 @@ class Reducer:
         # DDP's require_forward_param_sync: buffers are broadcast before a forward
         # that follows a synchronizing one (and before the first).
         self.sync_buffers_next_forward = True
+        # As DDP: a module without buffers at apply never broadcasts any, and skips the
+        # walk over its tree that finds them on every forward.
+        self._has_buffers = next(module.buffers(), None) is not None
         parameters = [parameter for _, parameter in named]
         self._set_buckets(
             assign_buckets(parameters, reversed(range(count)), self._first_cap, cap_bytes)
@@ -106,11 +109,16 @@ class Reducer:
     def before_forward(self, module: nn.Module) -> None:
         """Forward pre-hook body: broadcast rank 0's buffers when DDP would."""
         record = self._application.record(module)
-        if record is None or not record.broadcast_buffers or not self.sync_buffers_next_forward:
+        if (
+            not self._has_buffers
+            or not self.sync_buffers_next_forward
+            or self._group.size() == 1
+            or record is None
+            or not record.broadcast_buffers
+        ):
             return
-        buffers = list(module.buffers())
-        if buffers and self._group.size() > 1:
-            broadcast_from_first_rank(buffers, self._group, self._cap_bytes)
+        # Read the buffers anew each time, as DDP does: a forward may have replaced one.
+        broadcast_from_first_rank(list(module.buffers()), self._group, self._cap_bytes)
 
     def after_forward(self, module: nn.Module, output: object) -> None:
         """Forward hook body: arm the outputs of a synchronizing forward."""

@@ -1,0 +1,118 @@
+"""The built wheel, installed alone in a fresh environment, works as the README says.
+
+Builds the wheel from this checkout, installs it (not editable) with its declared
+dependencies into a new virtual environment, and there, from a directory outside
+the checkout, runs the README's API tour and type-checks a small strictly typed
+user file with mypy. A module left out of the wheel, a missing ``py.typed`` or a
+wrong dependency fails here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+USER_FILE = textwrap.dedent(
+    """
+    from __future__ import annotations
+
+    from typing import assert_type
+
+    import attrs
+    from torch import nn
+
+    from torchcontract import Application, contract
+    from torchcontract.apis import ReplicateState, checkpoint, replicate
+
+
+    @attrs.frozen
+    class Counter:
+        calls: int = 0
+
+
+    @contract(Counter)
+    def counted(module: nn.Module, *, start: int = 0) -> None:
+        counted.set_state(module, Counter(start))
+
+
+    model = nn.Linear(2, 2)
+    assert_type(counted(model, start=1), nn.Module)
+    assert_type(counted.state(model), Counter)
+    assert_type(counted.application(model), Application[Counter])
+    assert_type(replicate.get_state(model), ReplicateState | None)
+    checkpoint(model, use_reentrant=False)
+    """
+)
+
+
+def _run(*command: str | Path, cwd: Path) -> str:
+    done = subprocess.run(
+        [str(part) for part in command],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
+        check=False,
+    )
+    assert done.returncode == 0, (
+        f"{command[:3]} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    )
+    return done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_built_wheel_runs_the_tour_and_type_checks_in_a_fresh_environment(
+    tmp_path: Path,
+) -> None:
+    dist = tmp_path / "dist"
+    _run(
+        sys.executable,
+        "-m",
+        "build",
+        "--wheel",
+        "--no-isolation",
+        "--outdir",
+        dist,
+        ROOT,
+        cwd=tmp_path,
+    )
+    (wheel,) = dist.glob("torchcontract-*.whl")
+    venv = tmp_path / "venv"
+    _run(sys.executable, "-m", "venv", venv, cwd=tmp_path)
+    python = venv / "bin" / "python"
+    mypy_version = _run(sys.executable, "-m", "mypy", "--version", cwd=tmp_path).split()[1]
+    # The torch of this environment, so that pip takes the wheel lying on this machine.
+    torch_version = torch.__version__.split("+")[0]
+    _run(
+        python,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        wheel,
+        f"torch=={torch_version}",
+        f"mypy=={mypy_version}",
+        cwd=tmp_path,
+    )
+    work = tmp_path / "user"
+    work.mkdir()
+    tour = "\n".join(
+        re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.DOTALL)
+    )
+    (work / "tour.py").write_text(tour)
+    printed = _run(python, "tour.py", cwd=work)
+    assert "__main__.scale is already applied to Linear" in printed
+    located = _run(python, "-c", "import torchcontract; print(torchcontract.__file__)", cwd=work)
+    assert str(venv) in located  # the installed wheel, not this checkout
+    (work / "user.py").write_text(USER_FILE)
+    _run(python, "-m", "mypy", "--strict", "user.py", cwd=work)
