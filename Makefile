@@ -3,7 +3,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PYTHON ?= python3
 
-.PHONY: test lint typecheck unit demo bench dist clean
+.PHONY: test lint typecheck unit demo bench dist compat clean
 
 $(BIN)/.installed: pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ dist: $(BIN)/.installed
 	rm -rf dist
 	$(BIN)/python -m build --no-isolation --outdir dist .
 	$(BIN)/twine check --strict dist/*
+
+# The tests against several torch releases, each in its own cached venv outside the repo.
+compat:
+	bash tools/compat.sh
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

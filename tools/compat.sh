@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# make compat: the test suite (not the benchmarks) against each torch release in $COMPAT_TORCH.
+#
+# Each release gets its own virtual environment under $COMPAT_DIR (outside the repository),
+# keyed by version and made once: torch at that version, the development requirements but
+# torch, and this checkout installed editable. Prints one line per release and exits
+# non-zero if any release failed. Not part of `make test`: most releases are
+# several-GB downloads.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+versions=${COMPAT_TORCH:-"2.6.0 2.13.0 2.14.1"}
+root=${COMPAT_DIR:-"$HOME/.cache/torchcontract/compat"}
+python=${PYTHON:-python3}
+mkdir -p "$root"
+requirements=$(grep -v '^torch==' requirements-dev.txt)
+stamp=$(printf '%s' "$requirements" | sha256sum | cut -c1-12)
+status=0
+summary=()
+for version in $versions; do
+  venv="$root/torch-$version"
+  if [ ! -f "$venv/.installed-$stamp" ]; then
+    echo "== torch $version: installing into $venv"
+    [ -x "$venv/bin/python" ] || "$python" -m venv "$venv" || { status=1; continue; }
+    if ! "$venv/bin/pip" install --quiet --disable-pip-version-check "torch==$version" \
+        $(printf '%s\n' "$requirements" | grep -v '^#' | tr '\n' ' '); then
+      summary+=("torch $version: install failed"); status=1; continue
+    fi
+    rm -f "$venv"/.installed-*
+    touch "$venv/.installed-$stamp"
+  fi
+  "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps -e . >/dev/null
+  log="$root/torch-$version.log"
+  echo "== torch $version: running the tests (log: $log)"
+  CI=true "$venv/bin/python" -m pytest -q -p no:cacheprovider tests >"$log" 2>&1
+  code=$?
+  result=$(grep -E '^=*.*(passed|failed|error).* in [0-9.]+s' "$log" | tail -n 1 | tr -d '=')
+  summary+=("torch $version ($(date -u +%Y-%m-%d)):${result:- no result, exit $code}")
+  [ "$code" -eq 0 ] || status=1
+done
+printf '\n'
+printf '%s\n' "${summary[@]}"
+exit "$status"
