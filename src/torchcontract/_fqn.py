@@ -23,7 +23,7 @@ so no change can hide.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import chain, compress, repeat
 from operator import is_, ne
 from typing import Final
@@ -205,25 +205,30 @@ def take_snapshot(root: nn.Module) -> FQNSnapshot:
     # until the cycle collector runs (never, where training loops disable it).
     def visit(module: nn.Module, name: str, depth: int, recurse: Callable[..., None]) -> None:
         # nn.Module.__init__ puts the three member dicts in the instance __dict__
-        # (ScriptModules too); reading them there skips three attribute lookups.
+        # (scripted modules too); reading them there skips three attribute lookups.
+        # A traced module has none there: its attribute lookup reaches the scripted
+        # module inside, as named_parameters() and the other named_* functions do.
         attributes = module.__dict__
+        try:
+            own_params: _Members = attributes["_parameters"]
+            own_buffers: _Members = attributes["_buffers"]
+            children: Mapping[str, nn.Module | None] = attributes["_modules"]
+        except KeyError:
+            own_params, own_buffers, children = _members(module)
         if "forward" in attributes:
             forwards[len(modules)] = attributes["forward"]
         add_module(module)
         add_depth(depth)
         add_name(name)
-        own_params: dict[str, object] = attributes["_parameters"]
         add_param_count(len(own_params))
         if own_params:
             add_param_keys(own_params.keys())
             add_param_values(own_params.values())
-        own_buffers: dict[str, object] = attributes["_buffers"]
         add_buffer_count(len(own_buffers))
         if own_buffers:
             add_buffer_keys(own_buffers.keys())
             add_buffer_values(own_buffers.values())
         depth += 1
-        children: dict[str, nn.Module | None] = attributes["_modules"]
         for child_name, child in children.items():
             if child is not None:
                 recurse(child, child_name, depth, recurse)
@@ -237,6 +242,17 @@ def take_snapshot(root: nn.Module) -> FQNSnapshot:
         (param_counts, param_keys, list(map(id, param_values))),
         (buffer_counts, buffer_keys, list(map(id, buffer_values))),
     )
+
+
+_Members = Mapping[str, object]
+
+
+def _members(module: nn.Module) -> tuple[_Members, _Members, Mapping[str, nn.Module | None]]:
+    """``module``'s parameters, buffers and children, read through its attributes.
+
+    For modules whose ``__dict__`` lacks them, as a ``torch.jit.trace``d module's does.
+    """
+    return module._parameters, module._buffers, module._modules
 
 
 def descendants(root: nn.Module, seen: set[int] | None = None) -> Iterator[nn.Module]:

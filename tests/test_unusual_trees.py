@@ -1,0 +1,95 @@
+"""Module trees people build that plain ``nn.Module`` trees do not show: traced modules, cycles."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed._composable.contract import contract as torch_contract
+
+from torchcontract import FQNChangedError, StateStore, contract, describe, take_snapshot
+
+STORE = StateStore()
+
+# torch.jit.trace is deprecated in favour of torch.compile, yet traced modules live on in models.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.trace:DeprecationWarning")
+
+
+@contract(store=STORE, strict=False)
+def noop(module: nn.Module) -> None:
+    pass
+
+
+@torch_contract()
+def torch_noop(module: nn.Module) -> nn.Module:
+    return module
+
+
+@contract(store=STORE, strict=False)
+def untrace(module: nn.Module) -> None:
+    """Replace ``module.traced`` by a plain Linear: its FQNs change from '0.weight' to 'weight'."""
+    module.traced = nn.Linear(2, 2)
+
+
+#: torch.jit.trace has no annotations.
+_trace: Callable[[nn.Module, torch.Tensor], torch.jit.ScriptModule] = torch.jit.trace
+
+
+class WithTraced(nn.Module):
+    """A Linear and a traced Sequential (with a nested Sequential and a buffer) beside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(2, 2)
+        inner = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.Linear(2, 2)))
+        inner.register_buffer("scale", torch.ones(1))
+        self.traced = _trace(inner, torch.randn(1, 2))
+
+
+def _model_with_traced() -> WithTraced:
+    return WithTraced()
+
+
+def _names(module: nn.Module) -> tuple[list[str], list[str], list[str]]:
+    return (
+        [name for name, _ in module.named_parameters()],
+        [name for name, _ in module.named_buffers(remove_duplicate=False)],
+        [name for name, _ in module.named_modules(remove_duplicate=False)],
+    )
+
+
+# ----------------------------------------------------------------- traced modules
+
+
+def test_snapshot_of_a_tree_with_a_traced_module_lists_what_named_functions_list() -> None:
+    model = _model_with_traced()
+    snapshot = take_snapshot(model)
+    names = (list(snapshot.parameters), list(snapshot.buffers), list(snapshot.module_fqns))
+    assert names == _names(model)
+    assert "traced.1.1.weight" in snapshot.parameters
+
+
+def test_api_applies_to_a_tree_holding_a_traced_module_as_torch_contract_does() -> None:
+    model = _model_with_traced()
+    noop(model)
+    noop(model.traced)
+    torch_noop(_model_with_traced())
+    assert noop.is_applied(model)
+    assert noop.is_applied(model.traced)
+
+
+def test_fqn_check_still_sees_the_names_under_a_traced_module() -> None:
+    model = _model_with_traced()
+    with pytest.raises(FQNChangedError, match=r"untrace changed the parameter FQNs.*'traced\.0\."):
+        untrace(model)
+    assert not untrace.is_applied(model)
+
+
+def test_describe_shows_a_tree_with_a_traced_module() -> None:
+    model = _model_with_traced()
+    noop(model.traced)
+    lines = describe(model).splitlines()
+    assert lines[0] == "WithTraced"
+    assert lines[-1].startswith("  traced: TopLevelTracedModule  [noop]")
