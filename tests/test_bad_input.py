@@ -16,8 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import Count, bump, contents, module_trees, non_modules
 from torch import nn
+from torch.distributed._composable.contract import contract as torch_contract
 
 from torchcontract import (
+    FQNChangedError,
     InvalidRecordError,
     InvalidResultError,
     InvalidStateClassError,
@@ -371,3 +373,42 @@ def test_api_returning_a_wrong_result_is_refused_and_installs_nothing(
     with pytest.raises(InvalidResultError, match=f"returning returned {kind}; an API function"):
         returning(target, result=result)
     assert contents(model, [STORE]) == contents(nn.Sequential(), [STORE])
+
+
+@contract(Count, store=STORE, strict=False)
+def replacing_in_place(modules: list[nn.Module], *, at: int, fresh: nn.Module) -> list[nn.Module]:
+    """Replace one item of the list it was given, and return that same list."""
+    modules[at] = fresh
+    return modules
+
+
+@torch_contract()
+def torch_replacing_in_place(
+    modules: list[nn.Module], *, at: int, fresh: nn.Module
+) -> list[nn.Module]:
+    modules[at] = fresh
+    return modules
+
+
+@pytest.mark.parametrize("at", [0, 1])
+def test_list_api_replacing_an_item_of_its_own_list_is_compared_by_position(at: int) -> None:
+    # The returned list is the list given, changed in place: each item is compared with
+    # the module that was at its position. torch's contract accepts this too.
+    modules: list[nn.Module] = [nn.Linear(1, 1), nn.Linear(1, 1)]
+    originals = list(modules)
+    returned = replacing_in_place(modules, at=at, fresh=nn.Linear(1, 1))
+    assert returned is modules
+    assert all(replacing_in_place.is_applied(module) for module in originals)
+    torch_modules: list[nn.Module] = [nn.Linear(1, 1), nn.Linear(1, 1)]
+    assert torch_replacing_in_place(torch_modules, at=at, fresh=nn.Linear(1, 1)) is torch_modules
+
+
+def test_list_api_replacing_an_item_by_one_with_other_fqns_is_refused_as_torch_does() -> None:
+    modules: list[nn.Module] = [nn.Linear(1, 1), nn.Linear(1, 1)]
+    originals = list(modules)
+    with pytest.raises(FQNChangedError, match="replacing_in_place changed the parameter FQNs"):
+        replacing_in_place(modules, at=1, fresh=nn.Linear(1, 1, bias=False))
+    assert not any(replacing_in_place.is_applied(module) for module in originals)
+    torch_modules: list[nn.Module] = [nn.Linear(1, 1), nn.Linear(1, 1)]
+    with pytest.raises(RuntimeError, match="FQNs"):
+        torch_replacing_in_place(torch_modules, at=1, fresh=nn.Linear(1, 1, bias=False))
