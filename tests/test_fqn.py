@@ -265,12 +265,41 @@ def test_forward_assigned_on_an_instance_names_the_module() -> None:
     assert "strict=False" in str(info.value)
 
 
-def test_forward_removed_from_an_instance_is_reported_too() -> None:
+def test_forward_removed_from_an_instance_is_reported_as_deleted() -> None:
     model: nn.Module = nn.Linear(1, 1)
     model.forward = model.forward
     before = take_snapshot(model)
     del model.forward
-    with pytest.raises(ContractError, match="assigned forward on the instance of Linear at the"):
+    with pytest.raises(ContractError) as info:
+        check_strict("api", _label, before, take_snapshot(model))
+    message = str(info.value)
+    assert "api deleted the forward assigned on the instance of Linear at the root" in message
+    assert "assigned forward on" not in message
+    assert "strict=False" in message
+
+
+def test_forward_replaced_on_an_instance_is_reported_as_assigned() -> None:
+    model: nn.Module = nn.Linear(1, 1)
+    model.forward = model.forward
+    before = take_snapshot(model)
+    model.forward = nn.Linear.forward.__get__(model)  # a new bound method
+    with pytest.raises(ContractError, match="api assigned forward on the instance of Linear at"):
+        check_strict("api", _label, before, take_snapshot(model))
+
+
+def test_lazy_module_materializing_into_its_cls_to_become_passes_the_strict_check() -> None:
+    model = nn.Sequential(nn.LazyLinear(2))
+    before = take_snapshot(model)
+    model(torch.zeros(1, 3))
+    assert type(model[0]) is nn.Linear  # what LazyLinear.cls_to_become names
+    check_strict("api", _label, before, take_snapshot(model))
+
+
+def test_lazy_module_turned_into_another_class_fails_the_strict_check() -> None:
+    model = nn.Sequential(nn.LazyLinear(2))
+    before = take_snapshot(model)
+    model[0].__class__ = Other
+    with pytest.raises(ContractError, match="changed the class of LazyLinear at '0' to Other"):
         check_strict("api", _label, before, take_snapshot(model))
 
 

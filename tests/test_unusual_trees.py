@@ -9,7 +9,14 @@ import torch
 from torch import nn
 from torch.distributed._composable.contract import contract as torch_contract
 
-from torchcontract import FQNChangedError, StateStore, contract, describe, take_snapshot
+from torchcontract import (
+    ContractError,
+    FQNChangedError,
+    StateStore,
+    contract,
+    describe,
+    take_snapshot,
+)
 
 STORE = StateStore()
 
@@ -93,3 +100,39 @@ def test_describe_shows_a_tree_with_a_traced_module() -> None:
     lines = describe(model).splitlines()
     assert lines[0] == "WithTraced"
     assert lines[-1].startswith("  traced: TopLevelTracedModule  [noop]")
+
+
+# ----------------------------------------------------------------- lazy modules
+
+
+@contract(store=STORE)
+def warm_up(module: nn.Module) -> None:
+    """Run the module once, as an API that needs its shapes does: lazy modules materialize."""
+    module(torch.zeros(1, 3))
+
+
+@torch_contract()
+def torch_warm_up(module: nn.Module) -> nn.Module:
+    module(torch.zeros(1, 3))
+    return module
+
+
+def test_lazy_module_materializing_inside_a_strict_api_passes_as_under_torch_contract() -> None:
+    model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.LazyLinear(2))
+    warm_up(model)
+    assert [type(module) for module in model] == [nn.Linear, nn.ReLU, nn.Linear]
+    assert warm_up.is_applied(model)
+    torch_warm_up(nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.LazyLinear(2)))
+
+
+@contract(store=STORE)
+def unpatch(module: nn.Module) -> None:
+    del module.forward
+
+
+def test_api_deleting_an_instance_forward_is_refused_as_deleting_it() -> None:
+    module: nn.Module = nn.Linear(3, 3)
+    module.forward = module.forward
+    with pytest.raises(ContractError, match="unpatch deleted the forward assigned on the instance"):
+        unpatch(module)
+    assert not unpatch.is_applied(module)

@@ -336,20 +336,33 @@ def check_strict(
         )
     if first_forward is not None:
         old_cls = before.classes[first_forward]
+        where = (
+            f"the instance of {old_cls.__qualname__} at {_quote(before.module_fqns[first_forward])}"
+        )
+        if first_forward in after._forwards:
+            done = f"assigned forward on {where}"
+        else:
+            done = f"deleted the forward assigned on {where}, so its class's forward runs again"
         raise ContractError(
-            f"{api_name} assigned forward on the instance of {old_cls.__qualname__} at "
-            f"{_quote(before.module_fqns[first_forward])}; register a forward pre-hook or hook "
-            "instead, or pass strict=False to contract() to allow it"
+            f"{api_name} {done}; register a forward pre-hook or hook instead, "
+            "or pass strict=False to contract() to allow it"
         )
 
 
 def _first_foreign_class(before: FQNSnapshot, after: FQNSnapshot) -> int | None:
-    """The first position whose module is no longer an instance of its old class."""
+    """The first position whose module is no longer an instance of its old class.
+
+    A lazy module that materialized (``nn.LazyLinear`` becomes ``nn.Linear`` when it
+    first runs) became what its old class's ``cls_to_become`` names: that is PyTorch's
+    own doing, not a foreign class.
+    """
     if all(map(is_, before.classes, after.classes)):
         return None
     for index, (old_cls, new_module) in enumerate(zip(before.classes, after.modules, strict=True)):
         if not isinstance(new_module, old_cls):
-            return index
+            becomes: object = getattr(old_cls, "cls_to_become", None)
+            if not (isinstance(becomes, type) and isinstance(new_module, becomes)):
+                return index
     return None
 
 
