@@ -136,3 +136,37 @@ def test_api_deleting_an_instance_forward_is_refused_as_deleting_it() -> None:
     with pytest.raises(ContractError, match="unpatch deleted the forward assigned on the instance"):
         unpatch(module)
     assert not unpatch.is_applied(module)
+
+
+# ----------------------------------------------------------------- shared modules
+
+
+@contract(store=STORE, strict=False)
+def drop_second_path(module: nn.Sequential) -> None:
+    module[2] = nn.Identity()
+
+
+@torch_contract()
+def torch_drop_second_path(module: nn.Module) -> nn.Module:
+    assert isinstance(module, nn.Sequential)
+    module[2] = nn.Identity()
+    return module
+
+
+def _shared_twice() -> nn.Sequential:
+    shared = nn.Linear(3, 3)
+    return nn.Sequential(shared, nn.ReLU(), shared)
+
+
+def test_replacing_one_path_of_a_shared_module_is_refused_as_torch_contract_does() -> None:
+    # state_dict() would lose '2.weight' and '2.bias', though named_parameters() and the
+    # module FQNs (remove_duplicate=False) stay the same.
+    model = _shared_twice()
+    with pytest.raises(FQNChangedError) as info:
+        drop_second_path(model)
+    message = str(info.value)
+    assert "drop_second_path changed the state_dict parameter FQNs of Sequential" in message
+    assert "only before: ['2.weight', '2.bias']" in message
+    assert not drop_second_path.is_applied(model)
+    with pytest.raises(RuntimeError, match="cannot modify FQNs"):
+        torch_drop_second_path(_shared_twice())

@@ -4,8 +4,9 @@ A snapshot has exactly the semantics of ``named_parameters()``,
 ``named_buffers(remove_duplicate=False)`` and
 ``named_modules(remove_duplicate=False)``: modules and buffers at every path, a
 parameter only at its first path (shared modules and tied parameters appear
-once), ``None`` entries skipped. Identity, not ``__eq__``/``__hash__``, decides
-what is shared.
+once), ``None`` entries skipped. It also lists every parameter at every path, as
+``named_parameters(remove_duplicate=False)`` and ``state_dict()`` do. Identity,
+not ``__eq__``/``__hash__``, decides what is shared.
 
 Speed: one walk copies, per module visited, its depth and name in the tree and
 the keys of its ``_parameters`` and ``_buffers`` and the ids of their values into
@@ -43,6 +44,7 @@ class FQNSnapshot:
 
     Made by ``take_snapshot``. ``parameters``, ``buffers`` and ``module_fqns`` are
     tuples of names, built on first use from what the walk copied.
+    ``state_dict_parameters`` lists parameters at every path, as ``state_dict()`` does.
     ``modules`` holds the module objects behind ``module_fqns``, ``classes`` their
     classes and ``forwards`` their instance-level ``forward`` (or None) at snapshot
     time, for the stricter checks. Immutable; compared by identity.
@@ -62,6 +64,7 @@ class FQNSnapshot:
         "_param_keys",
         "_parameters",
         "_prefixes",
+        "_state_dict_parameters",
         "classes",
         "modules",
     )
@@ -81,6 +84,7 @@ class FQNSnapshot:
         self._param_counts, self._param_keys, self._param_ids = params
         self._buffer_counts, self._buffer_keys, self._buffer_ids = buffers
         self._parameters: tuple[str, ...] | None = None
+        self._state_dict_parameters: tuple[str, ...] | None = None
         self._buffers: tuple[str, ...] | None = None
         self._module_fqns: tuple[str, ...] | None = None
         self._prefixes: list[str] | None = None
@@ -89,14 +93,28 @@ class FQNSnapshot:
     def parameters(self) -> tuple[str, ...]:
         """Parameter FQNs, as the names of ``named_parameters()``."""
         if self._parameters is None:
-            names, ids = _present(
-                _member_names(self._member_prefixes(), self._param_counts, self._param_keys),
-                self._param_ids,
-            )
+            names, ids = self._present_parameters()
             if len(set(ids)) != len(ids):
                 names = _first_occurrences(names, ids)
             self._parameters = tuple(names)
         return self._parameters
+
+    @property
+    def state_dict_parameters(self) -> tuple[str, ...]:
+        """Parameter FQNs at every path, as ``named_parameters(remove_duplicate=False)``.
+
+        What ``state_dict()`` lists: a shared module's parameters under each of its
+        paths, a tied parameter under each of its names.
+        """
+        if self._state_dict_parameters is None:
+            self._state_dict_parameters = tuple(self._present_parameters()[0])
+        return self._state_dict_parameters
+
+    def _present_parameters(self) -> tuple[list[str], list[int]]:
+        return _present(
+            _member_names(self._member_prefixes(), self._param_counts, self._param_keys),
+            self._param_ids,
+        )
 
     @property
     def buffers(self) -> tuple[str, ...]:
@@ -300,13 +318,19 @@ def _present(names: list[str], ids: list[int]) -> tuple[list[str], list[int]]:
 def check_unchanged(
     api_name: str, label: Callable[[nn.Module], str], before: FQNSnapshot, after: FQNSnapshot
 ) -> None:
-    """Raise ``FQNChangedError`` naming the first kind of FQN that differs."""
+    """Raise ``FQNChangedError`` naming the first kind of FQN that differs.
+
+    Parameters are compared as ``named_parameters()`` lists them and then at every
+    path, as ``state_dict()`` does: replacing one path of a shared module keeps the
+    first list and the module FQNs but loses that path's entries in a state dict.
+    """
     if before.same_as(after):
         return
     for kind, old, new in (
         ("parameter", before.parameters, after.parameters),
         ("buffer", before.buffers, after.buffers),
         ("module", before.module_fqns, after.module_fqns),
+        ("state_dict parameter", before.state_dict_parameters, after.state_dict_parameters),
     ):
         if old != new:
             raise FQNChangedError(
