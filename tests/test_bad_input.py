@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import weakref
 from collections.abc import Callable, Sequence
@@ -247,6 +248,19 @@ def _holding_module(module: nn.Module) -> list[object]:
     deep: list[object] = [1]
     deep.append(deep)
     deep.append(module)
+
+    def calling(x: torch.Tensor) -> object:
+        return module(x)
+
+    def defaulted(x: torch.Tensor, layer: nn.Module = module) -> object:
+        return layer(x)
+
+    def keyword_defaulted(x: torch.Tensor, *, layer: nn.Module = module) -> object:
+        return layer(x)
+
+    def nested() -> Callable[[torch.Tensor], object]:
+        return calling
+
     return [
         module,
         other,
@@ -254,14 +268,28 @@ def _holding_module(module: nn.Module) -> list[object]:
         [[module]],
         {"key": module},
         {module: "value"},
+        {module},
         frozenset([module]),
         Holder(Holder(module)),
         deep,
+        module.forward,
+        module.__sizeof__,
+        lambda x: module(x) + 1,
+        calling,
+        defaulted,
+        keyword_defaulted,
+        nested,
+        functools.partial(module),
+        functools.partial(nn.Module.__call__, module),
+        functools.partial(torch.add, alpha=module),
+        [module.forward],
     ]
 
 
-HOLDING_IDS = ["self", "other", "tuple", "list", "dict", "dict-key", "frozenset", "nested-record"]
-HOLDING_IDS.append("cyclic-list")
+HOLDING_IDS = ["self", "other", "tuple", "list", "dict", "dict-key", "set", "frozenset"]
+HOLDING_IDS += ["nested-record", "cyclic-list", "bound-method", "builtin-bound-method", "lambda"]
+HOLDING_IDS += ["closure", "default", "keyword-default", "closure-of-a-closure", "partial-func"]
+HOLDING_IDS += ["partial-args", "partial-keywords", "bound-method-in-list"]
 
 
 @pytest.mark.parametrize("index", range(len(HOLDING_IDS)), ids=HOLDING_IDS)
@@ -278,12 +306,29 @@ def test_record_holding_a_module_is_refused_by_set_state_and_update(index: int) 
     assert holding.state(module) is old
 
 
+def test_record_holding_a_module_names_the_module_it_is_for() -> None:
+    model = nn.Sequential(nn.Linear(1, 1))
+    holding(model)
+    holding(model[0])
+    with pytest.raises(InvalidRecordError, match=r"\(record for Linear '0' of Sequential\)$"):
+        holding.set_state(model[0], Holder(model[0].forward))
+
+
 def test_record_holding_a_weak_reference_or_a_cyclic_list_is_accepted() -> None:
     module = nn.Linear(1, 1)
     holding(module)
     cyclic: list[object] = []
     cyclic.append(cyclic)
-    for value in (weakref.ref(module), "0.weight", cyclic, {"deep": [[(1, 2)]]}):
+    held = weakref.ref(module)
+
+    def through_weak_reference(x: torch.Tensor) -> object:
+        target = held()
+        return target(x) if target is not None else None
+
+    values: list[object] = [weakref.ref(module), "0.weight", cyclic, {"deep": [[(1, 2)]]}]
+    values += [weakref.proxy(module), [weakref.proxy(module)], weakref.WeakMethod(module.forward)]
+    values += [through_weak_reference, functools.partial(torch.add, alpha=2), len, [].append]
+    for value in values:
         holding.set_state(module, Holder(value))
         assert holding.state(module).value is value
 

@@ -321,7 +321,7 @@ class Contract(Generic[_P, _R, _S]):
                 f"{type(record).__qualname__} for {module_label(module)}; "
                 "build one with attrs.evolve(record, ...)"
             )
-        check_holds_no_module(record, self._fields, f"{self.name}.{method}")
+        check_holds_no_module(record, self._fields, f"{self.name}.{method}", owner=module)
 
     # ----------------------------------------------------------------- arguments
 
