@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -11,7 +12,9 @@ from torch.distributed._composable.contract import contract as torch_contract
 
 from torchcontract import (
     ContractError,
+    CyclicModuleTreeError,
     FQNChangedError,
+    NotAppliedError,
     StateStore,
     contract,
     describe,
@@ -170,3 +173,100 @@ def test_replacing_one_path_of_a_shared_module_is_refused_as_torch_contract_does
     assert not drop_second_path.is_applied(model)
     with pytest.raises(RuntimeError, match="cannot modify FQNs"):
         torch_drop_second_path(_shared_twice())
+
+
+# ----------------------------------------------------------------- cycles
+
+
+@contract(store=STORE)
+def first(module: nn.Module) -> None:
+    pass
+
+
+@contract(store=STORE)
+def second(module: nn.Module) -> None:
+    pass
+
+
+@contract(store=STORE, strict=False)
+def closing_a_cycle(module: nn.Module) -> None:
+    next(module.children()).back = module
+
+
+def _cyclic() -> nn.Sequential:
+    """``parent[0].back`` is ``parent``: a reference cycle through ``_modules``."""
+    parent = nn.Sequential(nn.Sequential(nn.Linear(3, 3)), nn.ReLU())
+    parent[0].back = parent
+    return parent
+
+
+@pytest.mark.timeout(30)
+def test_errors_labelling_modules_end_while_a_registered_tree_has_a_cycle() -> None:
+    leaf = nn.Linear(3, 3)
+    parent = nn.Sequential(nn.Sequential(leaf), nn.ReLU())
+    first(parent)
+    parent[0].back = parent
+    with pytest.raises(NotAppliedError, match=r"second is not applied to Linear;"):
+        second.state(nn.Linear(3, 3))
+    with pytest.raises(NotAppliedError, match=r"second is not applied to Linear '0\.0' of Sequ"):
+        second.state(leaf)
+
+
+@pytest.mark.timeout(30)
+def test_apply_to_a_cyclic_tree_names_the_api_the_class_and_the_path_closing_the_cycle() -> None:
+    parent = _cyclic()
+    with pytest.raises(CyclicModuleTreeError) as info:
+        second(parent)
+    message = str(info.value)
+    assert message.startswith("test_unusual_trees.second: the module tree of Sequential has a ")
+    assert "cycle: Sequential at '0.back' is the module at the root again" in message
+    assert "remove that reference from the tree" in message
+    assert not second.is_applied(parent)
+
+
+@pytest.mark.timeout(30)
+def test_apply_to_a_module_inside_a_cycle_names_the_path_from_that_module() -> None:
+    parent = _cyclic()
+    with pytest.raises(CyclicModuleTreeError, match=r"Sequential at 'back\.0' is the module at"):
+        second(parent[0])
+
+
+@pytest.mark.timeout(30)
+def test_api_closing_a_cycle_is_refused_and_rolled_back() -> None:
+    parent = nn.Sequential(nn.Sequential(nn.Linear(3, 3)))
+    with pytest.raises(CyclicModuleTreeError, match="closing_a_cycle: the module tree of Seq"):
+        closing_a_cycle(parent)
+    assert not closing_a_cycle.is_applied(parent)
+
+
+@pytest.mark.timeout(30)
+def test_take_snapshot_of_a_cyclic_tree_raises_the_cycle_error() -> None:
+    with pytest.raises(CyclicModuleTreeError, match="take_snapshot: the module tree of Sequential"):
+        take_snapshot(_cyclic())
+
+
+@pytest.mark.timeout(60)
+def test_a_tree_too_deep_to_walk_is_a_contract_error_not_a_recursion_error() -> None:
+    deep: nn.Module = nn.Linear(1, 1)
+    for _ in range(sys.getrecursionlimit() + 100):
+        deep = nn.Sequential(deep)
+    with pytest.raises(ContractError, match="nested deeper than Python's recursion limit") as info:
+        second(deep)
+    assert not isinstance(info.value, CyclicModuleTreeError)
+    assert not second.is_applied(deep)
+
+
+@pytest.mark.timeout(30)
+def test_describe_shows_a_cycle_once_and_ends() -> None:
+    leaf = nn.Linear(3, 3)
+    parent = nn.Sequential(nn.Sequential(leaf), nn.ReLU())
+    first(parent)
+    first(leaf)
+    parent[0].back = parent
+    assert describe(parent).splitlines() == [
+        "Sequential  [first]",
+        "  0: Sequential",
+        "    0: Linear  [first]",
+        "    back: Sequential  (cycle: a module around this line)",
+        "  1: ReLU",
+    ]

@@ -152,12 +152,12 @@ class Contract(Generic[_P, _R, _S]):
         targets = root_modules(items)
         entry = RegistryEntry(self, args[1:], kwargs)
         with Transaction():
-            before = [take_snapshot(target) for target in targets]
+            before = [self._snapshot(target) for target in targets]
             self._install(targets, before, entry)
             result: Any = self._func(*args, **kwargs)
             updated = self._updated(given, items, targets, result)
             for old, module in zip(before, updated, strict=True):
-                self._verify(old, take_snapshot(module))
+                self._verify(old, self._snapshot(module))
         returned: _R = given if result is None else result
         return returned
 
@@ -238,6 +238,10 @@ class Contract(Generic[_P, _R, _S]):
             f"(applied to {module_label(targets[0])}"
             f"{f' and {len(targets) - 1} more' if len(targets) > 1 else ''})"
         )
+
+    def _snapshot(self, module: nn.Module) -> FQNSnapshot:
+        """``module``'s FQN snapshot; a cyclic or too deep tree is an error naming this API."""
+        return take_snapshot(module, api_name=self.name, label=module_label)
 
     def _verify(self, before: FQNSnapshot, after: FQNSnapshot) -> None:
         check_unchanged(self.name, module_label, before, after)
@@ -486,8 +490,10 @@ def contract(
     non-subclass and instance-level ``forward`` assignments during apply.
 
     Calling the API: ``InvalidTargetError`` for a bad first argument,
-    ``IncompatibleAPIError`` or ``AlreadyAppliedError`` before ``func`` runs,
-    ``InvalidResultError``, ``FQNChangedError`` or ``ContractError`` after it.
+    ``CyclicModuleTreeError`` for a tree holding a module inside itself (before or
+    after ``func``), ``IncompatibleAPIError`` or ``AlreadyAppliedError`` before
+    ``func`` runs, ``InvalidResultError``, ``FQNChangedError`` or ``ContractError``
+    after it.
     On any exception every record and registry entry the call installed is
     removed; the module itself keeps whatever ``func`` did to it.
     """

@@ -24,6 +24,7 @@ so no change can hide.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import chain, compress, repeat
 from operator import is_, ne
@@ -31,7 +32,7 @@ from typing import Final
 
 from torch import nn
 
-from ._errors import ContractError, FQNChangedError
+from ._errors import ContractError, CyclicModuleTreeError, FQNChangedError
 
 __all__ = ["FQNSnapshot", "check_strict", "check_unchanged", "descendants", "take_snapshot"]
 
@@ -190,8 +191,29 @@ class FQNSnapshot:
         )
 
 
-def take_snapshot(root: nn.Module) -> FQNSnapshot:
-    """Walk ``root`` once, pre-order, and return its FQN snapshot."""
+def take_snapshot(
+    root: nn.Module,
+    *,
+    api_name: str = "take_snapshot",
+    label: Callable[[nn.Module], str] | None = None,
+) -> FQNSnapshot:
+    """Walk ``root`` once, pre-order, and return its FQN snapshot.
+
+    Raises ``CyclicModuleTreeError`` if a module of the tree contains itself, and
+    ``ContractError`` if the tree is nested deeper than Python's recursion limit lets
+    ``named_modules()`` walk; the message starts with ``api_name`` and names the
+    root by ``label`` (its class name if None).
+    """
+    try:
+        return _walk(root)
+    except RecursionError:
+        # Found only now, in a second walk: looking for cycles during the walk would
+        # cost every snapshot a set insertion per module.
+        raise _walk_error(root, api_name, label) from None
+
+
+def _walk(root: nn.Module) -> FQNSnapshot:
+    """The snapshot of ``root``; a ``RecursionError`` for a cyclic or too deep tree."""
     modules: list[nn.Module] = []
     depths: list[int] = []
     names: list[str] = []
@@ -271,6 +293,57 @@ def _members(module: nn.Module) -> tuple[_Members, _Members, Mapping[str, nn.Mod
     For modules whose ``__dict__`` lacks them, as a ``torch.jit.trace``d module's does.
     """
     return module._parameters, module._buffers, module._modules
+
+
+def _walk_error(
+    root: nn.Module, api_name: str, label: Callable[[nn.Module], str] | None
+) -> ContractError:
+    """Why the walk of ``root`` went too deep: a cycle, or a tree nested too deeply."""
+    name = label(root) if label is not None else type(root).__qualname__
+    cycle = find_cycle(root)
+    if cycle is not None:
+        path, module, ancestor = cycle
+        return CyclicModuleTreeError(
+            f"{api_name}: the module tree of {name} has a cycle: {type(module).__qualname__} at "
+            f"{path!r} is the module at {_quote(ancestor)} again, so named_modules(), "
+            "state_dict() and the FQN check never end; remove that reference from the tree "
+            "(keep a weakref.ref to the module instead)"
+        )
+    return ContractError(
+        f"{api_name}: the module tree of {name} is nested deeper than Python's recursion limit "
+        f"({sys.getrecursionlimit()}) lets named_modules() and state_dict() walk it; flatten it, "
+        "or raise the limit with sys.setrecursionlimit"
+    )
+
+
+def find_cycle(root: nn.Module) -> tuple[str, nn.Module, str] | None:
+    """The first path, pre-order, at which a module of ``root``'s tree contains itself.
+
+    Returns the path where the module is met again, the module, and its path on the
+    way there; None for an acyclic tree. Iterative, and each module is explored once.
+    """
+    on_path: dict[int, str] = {}  # id -> FQN of the modules on the current path
+    explored: set[int] = set()
+    stack: list[tuple[str, nn.Module, bool]] = [("", root, False)]
+    while stack:
+        fqn, module, leaving = stack.pop()
+        if leaving:
+            del on_path[id(module)]
+            explored.add(id(module))
+            continue
+        if id(module) in on_path:
+            return fqn, module, on_path[id(module)]
+        if id(module) in explored:
+            continue
+        on_path[id(module)] = fqn
+        stack.append((fqn, module, True))
+        dot = fqn + "." if fqn else ""
+        stack.extend(
+            (dot + name, child, False)
+            for name, child in reversed(module._modules.items())
+            if child is not None
+        )
+    return None
 
 
 def descendants(root: nn.Module, seen: set[int] | None = None) -> Iterator[nn.Module]:
