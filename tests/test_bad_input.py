@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import Count, bump, contents, module_trees, non_modules
+from strategies import Count, Holder, bump, contents, module_trees, non_modules
 from torch import nn
 from torch.distributed._composable.contract import contract as torch_contract
 
@@ -41,13 +41,6 @@ def marked(module: nn.Module | Sequence[nn.Module]) -> None:
 
 #: ``marked`` without its signature, to make the calls a type checker would refuse.
 untyped: Callable[..., object] = marked
-
-
-@attrs.frozen
-class Holder:
-    """A record whose one field may hold anything."""
-
-    value: object = None
 
 
 @contract(Holder, store=STORE)

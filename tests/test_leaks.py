@@ -15,10 +15,9 @@ import tracemalloc
 import weakref
 from collections.abc import Callable
 
-import attrs
 import pytest
 import torch
-from strategies import Count, bump
+from strategies import Count, Holder, bump
 from torch import nn
 from torch.distributed._composable.contract import contract as torch_contract
 from torch.distributed._composable_state import _State as TorchState
@@ -191,14 +190,7 @@ def test_module_reusing_a_dead_modules_id_starts_without_state() -> None:
     assert reused > 0  # CPython hands the freed memory straight back
 
 
-@attrs.frozen
-class Saved:
-    """A record with one field that may hold anything."""
-
-    saved: object = None
-
-
-@contract(Saved, store=STORE)
+@contract(Holder, store=STORE)
 def saving(module: nn.Module) -> None:
     pass
 
@@ -227,7 +219,7 @@ def test_record_reaching_its_module_through_a_callable_is_refused_so_the_module_
     model = _model()
     saving(model)
     with pytest.raises(InvalidRecordError, match="through a bound method, a closure"):
-        saving.set_state(model, Saved(_referring(model)[index]))
+        saving.set_state(model, Holder(_referring(model)[index]))
     ref = weakref.ref(model)
     del model
     gc.collect()
@@ -246,7 +238,7 @@ def test_record_reaching_its_module_through_a_callable_is_refused_so_the_module_
 def test_record_holding_a_weak_proxy_of_its_module_is_kept_and_does_not_keep_it_alive() -> None:
     model = _model()
     saving(model)
-    saving.set_state(model, Saved(weakref.proxy(model)))
+    saving.set_state(model, Holder(weakref.proxy(model)))
     ref = weakref.ref(model)
     del model
     gc.collect()
