@@ -97,6 +97,22 @@ def test_fqn_check_still_sees_the_names_under_a_traced_module() -> None:
     assert not untrace.is_applied(model)
 
 
+@contract(store=STORE, strict=False)
+def noop_group(modules: list[nn.Module]) -> None:
+    pass
+
+
+def test_list_apply_finds_the_roots_among_traced_modules_and_labels_reach_inside() -> None:
+    model = _model_with_traced()
+    inner = model.traced._modules["1"]
+    assert inner is not None
+    noop_group([inner, model.traced])
+    assert noop_group.is_applied(model.traced)
+    assert not noop_group.is_applied(inner)
+    with pytest.raises(NotAppliedError, match=r"noop_group is not applied to TracedModule '1' of"):
+        noop_group.state(inner)
+
+
 def test_describe_shows_a_tree_with_a_traced_module() -> None:
     model = _model_with_traced()
     noop(model.traced)

@@ -300,7 +300,7 @@ def _walk_error(
 ) -> ContractError:
     """Why the walk of ``root`` went too deep: a cycle, or a tree nested too deeply."""
     name = label(root) if label is not None else type(root).__qualname__
-    cycle = find_cycle(root)
+    cycle = _find_cycle(root)
     if cycle is not None:
         path, module, ancestor = cycle
         return CyclicModuleTreeError(
@@ -316,7 +316,7 @@ def _walk_error(
     )
 
 
-def find_cycle(root: nn.Module) -> tuple[str, nn.Module, str] | None:
+def _find_cycle(root: nn.Module) -> tuple[str, nn.Module, str] | None:
     """The first path, pre-order, at which a module of ``root``'s tree contains itself.
 
     Returns the path where the module is met again, the module, and its path on the
