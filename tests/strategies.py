@@ -28,6 +28,13 @@ def bump(record: Count) -> Count:
     return attrs.evolve(record, n=record.n + 1)
 
 
+@attrs.frozen
+class Holder:
+    """A record whose one field may hold anything: for the tests of what a record may hold."""
+
+    value: object = None
+
+
 # ----------------------------------------------------------------- store contents
 
 

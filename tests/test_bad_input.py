@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import weakref
 from collections.abc import Callable, Sequence
@@ -14,10 +15,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import Count, bump, contents, module_trees, non_modules
+from strategies import Count, Holder, bump, contents, module_trees, non_modules
 from torch import nn
+from torch.distributed._composable.contract import contract as torch_contract
 
 from torchcontract import (
+    FQNChangedError,
     InvalidRecordError,
     InvalidResultError,
     InvalidStateClassError,
@@ -38,13 +41,6 @@ def marked(module: nn.Module | Sequence[nn.Module]) -> None:
 
 #: ``marked`` without its signature, to make the calls a type checker would refuse.
 untyped: Callable[..., object] = marked
-
-
-@attrs.frozen
-class Holder:
-    """A record whose one field may hold anything."""
-
-    value: object = None
 
 
 @contract(Holder, store=STORE)
@@ -245,6 +241,19 @@ def _holding_module(module: nn.Module) -> list[object]:
     deep: list[object] = [1]
     deep.append(deep)
     deep.append(module)
+
+    def calling(x: torch.Tensor) -> object:
+        return module(x)
+
+    def defaulted(x: torch.Tensor, layer: nn.Module = module) -> object:
+        return layer(x)
+
+    def keyword_defaulted(x: torch.Tensor, *, layer: nn.Module = module) -> object:
+        return layer(x)
+
+    def nested() -> Callable[[torch.Tensor], object]:
+        return calling
+
     return [
         module,
         other,
@@ -252,14 +261,28 @@ def _holding_module(module: nn.Module) -> list[object]:
         [[module]],
         {"key": module},
         {module: "value"},
+        {module},
         frozenset([module]),
         Holder(Holder(module)),
         deep,
+        module.forward,
+        module.__sizeof__,
+        lambda x: module(x) + 1,
+        calling,
+        defaulted,
+        keyword_defaulted,
+        nested,
+        functools.partial(module),
+        functools.partial(nn.Module.__call__, module),
+        functools.partial(torch.add, alpha=module),
+        [module.forward],
     ]
 
 
-HOLDING_IDS = ["self", "other", "tuple", "list", "dict", "dict-key", "frozenset", "nested-record"]
-HOLDING_IDS.append("cyclic-list")
+HOLDING_IDS = ["self", "other", "tuple", "list", "dict", "dict-key", "set", "frozenset"]
+HOLDING_IDS += ["nested-record", "cyclic-list", "bound-method", "builtin-bound-method", "lambda"]
+HOLDING_IDS += ["closure", "default", "keyword-default", "closure-of-a-closure", "partial-func"]
+HOLDING_IDS += ["partial-args", "partial-keywords", "bound-method-in-list"]
 
 
 @pytest.mark.parametrize("index", range(len(HOLDING_IDS)), ids=HOLDING_IDS)
@@ -276,12 +299,29 @@ def test_record_holding_a_module_is_refused_by_set_state_and_update(index: int) 
     assert holding.state(module) is old
 
 
+def test_record_holding_a_module_names_the_module_it_is_for() -> None:
+    model = nn.Sequential(nn.Linear(1, 1))
+    holding(model)
+    holding(model[0])
+    with pytest.raises(InvalidRecordError, match=r"\(record for Linear '0' of Sequential\)$"):
+        holding.set_state(model[0], Holder(model[0].forward))
+
+
 def test_record_holding_a_weak_reference_or_a_cyclic_list_is_accepted() -> None:
     module = nn.Linear(1, 1)
     holding(module)
     cyclic: list[object] = []
     cyclic.append(cyclic)
-    for value in (weakref.ref(module), "0.weight", cyclic, {"deep": [[(1, 2)]]}):
+    held = weakref.ref(module)
+
+    def through_weak_reference(x: torch.Tensor) -> object:
+        target = held()
+        return target(x) if target is not None else None
+
+    values: list[object] = [weakref.ref(module), "0.weight", cyclic, {"deep": [[(1, 2)]]}]
+    values += [weakref.proxy(module), [weakref.proxy(module)], weakref.WeakMethod(module.forward)]
+    values += [through_weak_reference, functools.partial(torch.add, alpha=2), len, [].append]
+    for value in values:
         holding.set_state(module, Holder(value))
         assert holding.state(module).value is value
 
@@ -371,3 +411,42 @@ def test_api_returning_a_wrong_result_is_refused_and_installs_nothing(
     with pytest.raises(InvalidResultError, match=f"returning returned {kind}; an API function"):
         returning(target, result=result)
     assert contents(model, [STORE]) == contents(nn.Sequential(), [STORE])
+
+
+@contract(Count, store=STORE, strict=False)
+def replacing_in_place(modules: list[nn.Module], *, at: int, fresh: nn.Module) -> list[nn.Module]:
+    """Replace one item of the list it was given, and return that same list."""
+    modules[at] = fresh
+    return modules
+
+
+@torch_contract()
+def torch_replacing_in_place(
+    modules: list[nn.Module], *, at: int, fresh: nn.Module
+) -> list[nn.Module]:
+    modules[at] = fresh
+    return modules
+
+
+@pytest.mark.parametrize("at", [0, 1])
+def test_list_api_replacing_an_item_of_its_own_list_is_compared_by_position(at: int) -> None:
+    # The returned list is the list given, changed in place: each item is compared with
+    # the module that was at its position. torch's contract accepts this too.
+    modules: list[nn.Module] = [nn.Linear(1, 1), nn.Linear(1, 1)]
+    originals = list(modules)
+    returned = replacing_in_place(modules, at=at, fresh=nn.Linear(1, 1))
+    assert returned is modules
+    assert all(replacing_in_place.is_applied(module) for module in originals)
+    torch_modules: list[nn.Module] = [nn.Linear(1, 1), nn.Linear(1, 1)]
+    assert torch_replacing_in_place(torch_modules, at=at, fresh=nn.Linear(1, 1)) is torch_modules
+
+
+def test_list_api_replacing_an_item_by_one_with_other_fqns_is_refused_as_torch_does() -> None:
+    modules: list[nn.Module] = [nn.Linear(1, 1), nn.Linear(1, 1)]
+    originals = list(modules)
+    with pytest.raises(FQNChangedError, match="replacing_in_place changed the parameter FQNs"):
+        replacing_in_place(modules, at=1, fresh=nn.Linear(1, 1, bias=False))
+    assert not any(replacing_in_place.is_applied(module) for module in originals)
+    torch_modules: list[nn.Module] = [nn.Linear(1, 1), nn.Linear(1, 1)]
+    with pytest.raises(RuntimeError, match="FQNs"):
+        torch_replacing_in_place(torch_modules, at=1, fresh=nn.Linear(1, 1, bias=False))

@@ -85,3 +85,59 @@ def test_fullgraph_compile_raises_on_a_graph_break_in_a_hook() -> None:
     layer.register_forward_pre_hook(breaking)
     with pytest.raises(torch._dynamo.exc.Unsupported):
         _compiled(layer)(torch.tensor([[1.0]]))
+
+
+# ----------------------------------------------------------------- per-step counters
+
+
+@attrs.frozen
+class StepState:
+    """The documented pattern for a counter a compiled hook advances: a tensor, in place."""
+
+    steps: torch.Tensor = attrs.field(factory=lambda: torch.zeros((), dtype=torch.int64))
+
+
+def _count_step(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+    steps.state(module).steps.add_(1)
+
+
+@contract(StepState)
+def steps(module: nn.Module) -> None:
+    module.register_forward_pre_hook(_count_step)
+
+
+def test_tensor_counter_in_a_record_counts_every_forward_under_fullgraph_compile() -> None:
+    model = nn.Sequential(_linear(weight=1.0, bias=0.0), _linear(weight=1.0, bias=0.0))
+    steps(model[0])
+    steps(model[1])
+    compiled = _compiled(model)
+    for _ in range(5):
+        compiled(torch.tensor([[1.0]]))
+    model(torch.tensor([[1.0]]))  # eager forwards count too
+    assert steps.state(model[0]).steps.item() == 6
+    assert steps.state(model[1]).steps.item() == 6  # each record has its own tensor
+
+
+def _update_step(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+    scale.update(module, lambda record: attrs.evolve(record, factor=record.factor + 1))
+
+
+def test_update_in_a_fullgraph_compiled_hook_is_unsupported_by_dynamo() -> None:
+    # Documented: update() takes a lock and builds a frozen attrs record, and dynamo
+    # traces neither. If a torch release lifts this, the README's advice can change.
+    layer = _linear(weight=1.0, bias=0.0)
+    scale(layer, factor=1.0)
+    layer.register_forward_pre_hook(_update_step)
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        _compiled(layer)(torch.tensor([[1.0]]))
+    assert scale.state(layer).factor == 1.0
+
+
+def test_update_between_compiled_steps_counts_every_step() -> None:
+    layer = _linear(weight=1.0, bias=0.0)
+    scale(layer, factor=1.0)
+    compiled = _compiled(layer)
+    for _ in range(4):
+        compiled(torch.tensor([[1.0]]))
+        scale.update(layer, lambda record: attrs.evolve(record, factor=record.factor + 1))
+    assert scale.state(layer).factor == 5.0

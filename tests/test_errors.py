@@ -12,6 +12,7 @@ import torchcontract
 from torchcontract import (
     AlreadyAppliedError,
     ContractError,
+    CyclicModuleTreeError,
     FQNChangedError,
     IncompatibleAPIError,
     InvalidRecordError,
@@ -30,6 +31,7 @@ from torchcontract import (
         (AlreadyAppliedError, (ContractError,)),
         (NotAppliedError, (ContractError, LookupError)),
         (FQNChangedError, (ContractError,)),
+        (CyclicModuleTreeError, (ContractError,)),
         (IncompatibleAPIError, (ContractError,)),
         (InvalidStateClassError, (TypeError,)),
         (InvalidRecordError, (TypeError,)),
@@ -47,6 +49,7 @@ def test_every_error_is_exported() -> None:
         [
             "AlreadyAppliedError",
             "ContractError",
+            "CyclicModuleTreeError",
             "FQNChangedError",
             "IncompatibleAPIError",
             "InvalidRecordError",

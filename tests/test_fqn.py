@@ -62,6 +62,18 @@ def test_snapshot_lists_a_tied_parameter_at_its_first_path_only() -> None:
     assert take_snapshot(model).parameters == ("0.weight", "0.bias", "1.bias")
 
 
+def test_snapshot_lists_state_dict_parameters_at_every_path_as_state_dict_does() -> None:
+    shared = nn.Linear(1, 1)
+    model = nn.Sequential(shared, nn.ReLU(), shared, nn.Linear(1, 1))
+    model[3].weight = shared.weight
+    model.register_parameter("gone", None)
+    snapshot = take_snapshot(model)
+    expected = ("0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias")
+    assert snapshot.state_dict_parameters == expected
+    assert expected == tuple(name for name, _ in model.named_parameters(remove_duplicate=False))
+    assert expected == tuple(model.state_dict())
+
+
 def test_snapshot_skips_none_parameters_buffers_and_children() -> None:
     model = nn.Module()
     model.register_parameter("gone", None)
@@ -217,6 +229,24 @@ def test_modules_are_reported_when_members_agree() -> None:
     assert "changed the module FQNs of Module: only before: []; only after: ['child']" in message
 
 
+def test_one_path_of_a_shared_module_replaced_is_reported_as_a_state_dict_change() -> None:
+    # Module FQNs and named_parameters() agree; only the state dict loses '2.*'.
+    shared = nn.Linear(1, 1)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    before = take_snapshot(model)
+    model[2] = nn.Identity()
+    message = _check(before, take_snapshot(model))
+    assert "api changed the state_dict parameter FQNs of Sequential" in message
+    assert "only before: ['2.weight', '2.bias']; only after: []" in message
+
+
+def test_tying_two_parameters_is_reported_as_a_parameter_change() -> None:
+    model = nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1))
+    before = take_snapshot(model)
+    model[1].weight = model[0].weight
+    assert "changed the parameter FQNs" in _check(before, take_snapshot(model))
+
+
 def test_message_names_the_root_with_the_label_and_says_what_to_do() -> None:
     message = _check(take_snapshot(nn.Linear(1, 1)), take_snapshot(nn.Linear(1, 1, bias=False)))
     assert message.startswith("api changed the parameter FQNs of Linear: ")
@@ -265,12 +295,41 @@ def test_forward_assigned_on_an_instance_names_the_module() -> None:
     assert "strict=False" in str(info.value)
 
 
-def test_forward_removed_from_an_instance_is_reported_too() -> None:
+def test_forward_removed_from_an_instance_is_reported_as_deleted() -> None:
     model: nn.Module = nn.Linear(1, 1)
     model.forward = model.forward
     before = take_snapshot(model)
     del model.forward
-    with pytest.raises(ContractError, match="assigned forward on the instance of Linear at the"):
+    with pytest.raises(ContractError) as info:
+        check_strict("api", _label, before, take_snapshot(model))
+    message = str(info.value)
+    assert "api deleted the forward assigned on the instance of Linear at the root" in message
+    assert "assigned forward on" not in message
+    assert "strict=False" in message
+
+
+def test_forward_replaced_on_an_instance_is_reported_as_assigned() -> None:
+    model: nn.Module = nn.Linear(1, 1)
+    model.forward = model.forward
+    before = take_snapshot(model)
+    model.forward = nn.Linear.forward.__get__(model)  # a new bound method
+    with pytest.raises(ContractError, match="api assigned forward on the instance of Linear at"):
+        check_strict("api", _label, before, take_snapshot(model))
+
+
+def test_lazy_module_materializing_into_its_cls_to_become_passes_the_strict_check() -> None:
+    model = nn.Sequential(nn.LazyLinear(2))
+    before = take_snapshot(model)
+    model(torch.zeros(1, 3))
+    assert type(model[0]) is nn.Linear  # what LazyLinear.cls_to_become names
+    check_strict("api", _label, before, take_snapshot(model))
+
+
+def test_lazy_module_turned_into_another_class_fails_the_strict_check() -> None:
+    model = nn.Sequential(nn.LazyLinear(2))
+    before = take_snapshot(model)
+    model[0].__class__ = Other
+    with pytest.raises(ContractError, match="changed the class of LazyLinear at '0' to Other"):
         check_strict("api", _label, before, take_snapshot(model))
 
 

@@ -3,9 +3,10 @@
 Random module trees (tied parameters, shared submodules, None parameters, buffers
 and children, every container type) are changed through every path a user has,
 before an apply and inside one. The oracle is torch itself: the names of
-``named_parameters()``, ``named_buffers(remove_duplicate=False)`` and
-``named_modules(remove_duplicate=False)`` before and after. The APIs are
-``strict=False`` so that only the FQN check is measured.
+``named_parameters()``, ``named_buffers(remove_duplicate=False)``,
+``named_modules(remove_duplicate=False)`` and ``named_parameters(remove_duplicate=False)``
+(what ``state_dict()`` lists) before and after. The APIs are ``strict=False`` so
+that only the FQN check is measured.
 
 Every random choice goes through a ``Chooser``: hypothesis draws in the property
 tests, a seeded ``random.Random`` in the one deterministic test per mutation kind.
@@ -33,7 +34,10 @@ MAX_DEPTH = 3
 MAX_CHILDREN = 3
 EXAMPLES = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-Names = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]
+Names = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]]
+
+#: What each of the name tuples lists, in the order the check compares them.
+KINDS = ("parameter", "buffer", "module", "state_dict parameter")
 
 
 def torch_names(module: nn.Module) -> Names:
@@ -42,12 +46,18 @@ def torch_names(module: nn.Module) -> Names:
         tuple(name for name, _ in module.named_parameters()),
         tuple(name for name, _ in module.named_buffers(remove_duplicate=False)),
         tuple(name for name, _ in module.named_modules(remove_duplicate=False)),
+        tuple(name for name, _ in module.named_parameters(remove_duplicate=False)),
     )
 
 
 def snapshot_names(module: nn.Module) -> Names:
     snapshot = take_snapshot(module)
-    return snapshot.parameters, snapshot.buffers, snapshot.module_fqns
+    return (
+        snapshot.parameters,
+        snapshot.buffers,
+        snapshot.module_fqns,
+        snapshot.state_dict_parameters,
+    )
 
 
 # ----------------------------------------------------------------- random choices
@@ -568,11 +578,7 @@ def assert_raised_exactly_on_change(
     """The property: an error exactly when torch's names differ, naming the first kind."""
     assert (error is not None) == (before != after)
     if error is not None:
-        kind = next(
-            kind
-            for kind, old, new in zip(("parameter", "buffer", "module"), before, after, strict=True)
-            if old != new
-        )
+        kind = next(kind for kind, old, new in zip(KINDS, before, after, strict=True) if old != new)
         assert f"changed the {kind} FQNs" in str(error)
 
 

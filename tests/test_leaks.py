@@ -9,6 +9,7 @@ shared one record over a list of modules, or failed half-way.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import tracemalloc
 import weakref
@@ -16,10 +17,12 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from strategies import Count, bump
+from strategies import Count, Holder, bump
 from torch import nn
+from torch.distributed._composable.contract import contract as torch_contract
+from torch.distributed._composable_state import _State as TorchState
 
-from torchcontract import StateStore, contract, registry
+from torchcontract import InvalidRecordError, StateStore, contract, registry
 from torchcontract._registry import REGISTRY
 
 ROUNDS = 1_000
@@ -185,3 +188,59 @@ def test_module_reusing_a_dead_modules_id_starts_without_state() -> None:
             assert list(registry(module)) == []
             assert dict(STORE.records(module)) == {}
     assert reused > 0  # CPython hands the freed memory straight back
+
+
+@contract(Holder, store=STORE)
+def saving(module: nn.Module) -> None:
+    pass
+
+
+class TorchSaved(TorchState):
+    saved: object = None
+
+
+@torch_contract(TorchSaved)
+def torch_saving(module: nn.Module) -> nn.Module:
+    return module
+
+
+def _referring(module: nn.Module) -> list[object]:
+    """Values that keep ``module`` alive: a bound method, a closure, a partial."""
+    return [module.forward, lambda x: module(x) + 1, functools.partial(module)]
+
+
+@pytest.mark.parametrize("index", range(3), ids=["bound-method", "closure", "partial"])
+def test_record_reaching_its_module_through_a_callable_is_refused_so_the_module_can_die(
+    index: int,
+) -> None:
+    # torch's contract keeps its state in the module's __dict__: such a value makes a
+    # cycle, which the collector frees. Ours would be a strong reference from a
+    # process-wide store: refused, and the module is freed as torch's is.
+    model = _model()
+    saving(model)
+    with pytest.raises(InvalidRecordError, match="through a bound method, a closure"):
+        saving.set_state(model, Holder(_referring(model)[index]))
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+    assert len(STORE) == 0
+
+    torch_model = _model()
+    state = torch_saving.state(torch_saving(torch_model))
+    state.saved = _referring(torch_model)[index]
+    torch_ref = weakref.ref(torch_model)
+    del torch_model, state
+    gc.collect()
+    assert torch_ref() is None
+
+
+def test_record_holding_a_weak_proxy_of_its_module_is_kept_and_does_not_keep_it_alive() -> None:
+    model = _model()
+    saving(model)
+    saving.set_state(model, Holder(weakref.proxy(model)))
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+    assert len(STORE) == 0

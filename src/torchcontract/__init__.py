@@ -7,6 +7,7 @@ from ._describe import describe
 from ._errors import (
     AlreadyAppliedError,
     ContractError,
+    CyclicModuleTreeError,
     FQNChangedError,
     IncompatibleAPIError,
     InvalidRecordError,
@@ -24,6 +25,7 @@ __all__ = [
     "Application",
     "Contract",
     "ContractError",
+    "CyclicModuleTreeError",
     "EmptyState",
     "FQNChangedError",
     "FQNSnapshot",

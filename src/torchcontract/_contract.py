@@ -147,19 +147,22 @@ class Contract(Generic[_P, _R, _S]):
                 "positional argument"
             )
         given: Any = args[0]
-        targets = self._targets(given)
+        # The items as given, kept apart from ``given``: the function may change that list.
+        items = self._items(given)
+        targets = root_modules(items)
         entry = RegistryEntry(self, args[1:], kwargs)
         with Transaction():
-            before = [take_snapshot(target) for target in targets]
+            before = [self._snapshot(target) for target in targets]
             self._install(targets, before, entry)
             result: Any = self._func(*args, **kwargs)
-            for old, module in zip(before, self._updated(given, targets, result), strict=True):
-                self._verify(old, take_snapshot(module))
+            updated = self._updated(given, items, targets, result)
+            for old, module in zip(before, updated, strict=True):
+                self._verify(old, self._snapshot(module))
         returned: _R = given if result is None else result
         return returned
 
-    def _targets(self, given: object) -> list[nn.Module]:
-        """The modules this call applies to: the module, or the roots of a list, in order."""
+    def _items(self, given: object) -> list[nn.Module]:
+        """The modules given: the module, or the items of the list, in order."""
         if isinstance(given, nn.Module):
             return [given]
         if not _is_sequence(given):
@@ -186,7 +189,7 @@ class Contract(Generic[_P, _R, _S]):
                 )
             seen.add(id(item))
             modules.append(item)
-        return root_modules(modules)
+        return modules
 
     def _install(
         self, targets: Sequence[nn.Module], before: Sequence[FQNSnapshot], entry: RegistryEntry
@@ -208,18 +211,26 @@ class Contract(Generic[_P, _R, _S]):
                 self._table.insert(target, self, cell)
 
     def _updated(
-        self, given: object, targets: Sequence[nn.Module], result: object
+        self,
+        given: object,
+        items: Sequence[nn.Module],
+        targets: Sequence[nn.Module],
+        result: object,
     ) -> Sequence[nn.Module]:
-        """The modules to compare with ``targets``: what ``func`` returned, in input order."""
+        """The modules to compare with ``targets``: what ``func`` returned, in input order.
+
+        A returned list is matched to ``items``, the modules given, by position: the
+        function may have replaced items of the very list it was given and returned it.
+        """
         if result is None:
             return targets
         if isinstance(given, nn.Module):
             if isinstance(result, nn.Module):
                 return [result]
-        elif _is_sequence(given) and _is_sequence(result):
+        elif _is_sequence(result):
             modules = [item for item in result if isinstance(item, nn.Module)]
-            if len(modules) == len(result) == len(given):
-                position = {id(module): index for index, module in enumerate(given)}
+            if len(modules) == len(result) == len(items):
+                position = {id(module): index for index, module in enumerate(items)}
                 return [modules[position[id(target)]] for target in targets]
         raise InvalidResultError(
             f"{self.name} returned {type(result).__qualname__}; an API function returns the "
@@ -227,6 +238,10 @@ class Contract(Generic[_P, _R, _S]):
             f"(applied to {module_label(targets[0])}"
             f"{f' and {len(targets) - 1} more' if len(targets) > 1 else ''})"
         )
+
+    def _snapshot(self, module: nn.Module) -> FQNSnapshot:
+        """``module``'s FQN snapshot; a cyclic or too deep tree is an error naming this API."""
+        return take_snapshot(module, api_name=self.name, label=module_label)
 
     def _verify(self, before: FQNSnapshot, after: FQNSnapshot) -> None:
         check_unchanged(self.name, module_label, before, after)
@@ -310,7 +325,7 @@ class Contract(Generic[_P, _R, _S]):
                 f"{type(record).__qualname__} for {module_label(module)}; "
                 "build one with attrs.evolve(record, ...)"
             )
-        check_holds_no_module(record, self._fields, f"{self.name}.{method}")
+        check_holds_no_module(record, self._fields, f"{self.name}.{method}", owner=module)
 
     # ----------------------------------------------------------------- arguments
 
@@ -475,8 +490,10 @@ def contract(
     non-subclass and instance-level ``forward`` assignments during apply.
 
     Calling the API: ``InvalidTargetError`` for a bad first argument,
-    ``IncompatibleAPIError`` or ``AlreadyAppliedError`` before ``func`` runs,
-    ``InvalidResultError``, ``FQNChangedError`` or ``ContractError`` after it.
+    ``CyclicModuleTreeError`` for a tree holding a module inside itself (before or
+    after ``func``), ``IncompatibleAPIError`` or ``AlreadyAppliedError`` before
+    ``func`` runs, ``InvalidResultError``, ``FQNChangedError`` or ``ContractError``
+    after it.
     On any exception every record and registry entry the call installed is
     removed; the module itself keeps whatever ``func`` did to it.
     """

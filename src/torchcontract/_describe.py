@@ -30,14 +30,23 @@ def module_label(module: nn.Module) -> str:
 
 
 def _named_tree(root: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
-    """Every path of ``root``'s tree (shared modules at each of theirs), pre-order."""
-    stack: list[tuple[str, nn.Module]] = [(prefix, root)]
+    """Every path of ``root``'s tree (shared modules at each of theirs), pre-order.
+
+    A module already on the path to a child (a cycle in the tree) is not entered
+    again, so the walk ends on any tree.
+    """
+    stack: list[tuple[str, nn.Module, int]] = [(prefix, root, 0)]
+    path: list[int] = []  # ids of the modules from the root down to the current one
     while stack:
-        fqn, module = stack.pop()
+        fqn, module, depth = stack.pop()
+        del path[depth:]
+        if id(module) in path:
+            continue
+        path.append(id(module))
         yield fqn, module
         dot = fqn + "." if fqn else ""
         stack.extend(
-            (dot + name, child)
+            (dot + name, child, depth + 1)
             for name, child in reversed(module._modules.items())
             if child is not None
         )
@@ -62,23 +71,32 @@ def describe(module: nn.Module) -> str:
 
 
 class _Renderer:
-    """Renders one tree; learns each module's APIs and subtree size in one walk."""
+    """Renders one tree; learns each module's APIs and subtree size in one walk.
+
+    A child that is already on the path to it (a cycle) is shown as one line saying
+    so, and neither counted nor entered again.
+    """
 
     def __init__(self, root: nn.Module) -> None:
         self._apis: dict[int, list[str]] = {}
         self._size: dict[int, int] = {}
         self._any_api: dict[int, bool] = {}
+        self._path: set[int] = set()  # ids of the modules being learned or rendered
         self._learn(root)
 
     def _learn(self, module: nn.Module) -> tuple[int, bool]:
         if id(module) not in self._size:
+            self._path.add(id(module))
             apis = self._apis[id(module)] = _applied(module)
             size, any_api = 1, bool(apis)
             for child in _children(module):
+                if id(child) in self._path:
+                    continue
                 child_size, child_api = self._learn(child)
                 size += child_size
                 any_api = any_api or child_api
             self._size[id(module)], self._any_api[id(module)] = size, any_api
+            self._path.discard(id(module))
         return self._size[id(module)], self._any_api[id(module)]
 
     def render(self, title: str, module: nn.Module, indent: str) -> list[str]:
@@ -92,9 +110,9 @@ class _Renderer:
             return [f"{line}  ({below} modules below, no APIs)"]
         lines = [line]
         inner = indent + "  "
-        blocks = [
-            (name, self.render(type(child).__qualname__, child, inner)) for name, child in children
-        ]
+        self._path.add(id(module))
+        blocks = [(name, self._render_child(child, inner)) for name, child in children]
+        self._path.discard(id(module))
         start = 0
         while start < len(blocks):
             end = start + 1
@@ -109,6 +127,11 @@ class _Renderer:
             lines.extend(block[1:])
             start = end
         return lines
+
+    def _render_child(self, child: nn.Module, indent: str) -> list[str]:
+        if id(child) in self._path:
+            return [f"{indent}{type(child).__qualname__}  (cycle: a module around this line)"]
+        return self.render(type(child).__qualname__, child, indent)
 
 
 def _continues(previous: tuple[str, list[str]], this: tuple[str, list[str]]) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "AlreadyAppliedError",
     "ContractError",
+    "CyclicModuleTreeError",
     "FQNChangedError",
     "IncompatibleAPIError",
     "InvalidRecordError",
@@ -29,6 +30,10 @@ class AlreadyAppliedError(ContractError):
 
 class NotAppliedError(ContractError, LookupError):
     """State was asked of a module the API has not been applied to."""
+
+
+class CyclicModuleTreeError(ContractError):
+    """The module tree contains a module inside itself: a reference cycle through ``_modules``."""
 
 
 class FQNChangedError(ContractError):

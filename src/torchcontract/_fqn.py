@@ -4,8 +4,9 @@ A snapshot has exactly the semantics of ``named_parameters()``,
 ``named_buffers(remove_duplicate=False)`` and
 ``named_modules(remove_duplicate=False)``: modules and buffers at every path, a
 parameter only at its first path (shared modules and tied parameters appear
-once), ``None`` entries skipped. Identity, not ``__eq__``/``__hash__``, decides
-what is shared.
+once), ``None`` entries skipped. It also lists every parameter at every path, as
+``named_parameters(remove_duplicate=False)`` and ``state_dict()`` do. Identity,
+not ``__eq__``/``__hash__``, decides what is shared.
 
 Speed: one walk copies, per module visited, its depth and name in the tree and
 the keys of its ``_parameters`` and ``_buffers`` and the ids of their values into
@@ -23,14 +24,15 @@ so no change can hide.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import chain, compress, repeat
 from operator import is_, ne
 from typing import Final
 
 from torch import nn
 
-from ._errors import ContractError, FQNChangedError
+from ._errors import ContractError, CyclicModuleTreeError, FQNChangedError
 
 __all__ = ["FQNSnapshot", "check_strict", "check_unchanged", "descendants", "take_snapshot"]
 
@@ -43,6 +45,7 @@ class FQNSnapshot:
 
     Made by ``take_snapshot``. ``parameters``, ``buffers`` and ``module_fqns`` are
     tuples of names, built on first use from what the walk copied.
+    ``state_dict_parameters`` lists parameters at every path, as ``state_dict()`` does.
     ``modules`` holds the module objects behind ``module_fqns``, ``classes`` their
     classes and ``forwards`` their instance-level ``forward`` (or None) at snapshot
     time, for the stricter checks. Immutable; compared by identity.
@@ -62,6 +65,7 @@ class FQNSnapshot:
         "_param_keys",
         "_parameters",
         "_prefixes",
+        "_state_dict_parameters",
         "classes",
         "modules",
     )
@@ -81,6 +85,7 @@ class FQNSnapshot:
         self._param_counts, self._param_keys, self._param_ids = params
         self._buffer_counts, self._buffer_keys, self._buffer_ids = buffers
         self._parameters: tuple[str, ...] | None = None
+        self._state_dict_parameters: tuple[str, ...] | None = None
         self._buffers: tuple[str, ...] | None = None
         self._module_fqns: tuple[str, ...] | None = None
         self._prefixes: list[str] | None = None
@@ -89,14 +94,28 @@ class FQNSnapshot:
     def parameters(self) -> tuple[str, ...]:
         """Parameter FQNs, as the names of ``named_parameters()``."""
         if self._parameters is None:
-            names, ids = _present(
-                _member_names(self._member_prefixes(), self._param_counts, self._param_keys),
-                self._param_ids,
-            )
+            names, ids = self._present_parameters()
             if len(set(ids)) != len(ids):
                 names = _first_occurrences(names, ids)
             self._parameters = tuple(names)
         return self._parameters
+
+    @property
+    def state_dict_parameters(self) -> tuple[str, ...]:
+        """Parameter FQNs at every path, as ``named_parameters(remove_duplicate=False)``.
+
+        What ``state_dict()`` lists: a shared module's parameters under each of its
+        paths, a tied parameter under each of its names.
+        """
+        if self._state_dict_parameters is None:
+            self._state_dict_parameters = tuple(self._present_parameters()[0])
+        return self._state_dict_parameters
+
+    def _present_parameters(self) -> tuple[list[str], list[int]]:
+        return _present(
+            _member_names(self._member_prefixes(), self._param_counts, self._param_keys),
+            self._param_ids,
+        )
 
     @property
     def buffers(self) -> tuple[str, ...]:
@@ -172,8 +191,29 @@ class FQNSnapshot:
         )
 
 
-def take_snapshot(root: nn.Module) -> FQNSnapshot:
-    """Walk ``root`` once, pre-order, and return its FQN snapshot."""
+def take_snapshot(
+    root: nn.Module,
+    *,
+    api_name: str = "take_snapshot",
+    label: Callable[[nn.Module], str] | None = None,
+) -> FQNSnapshot:
+    """Walk ``root`` once, pre-order, and return its FQN snapshot.
+
+    Raises ``CyclicModuleTreeError`` if a module of the tree contains itself, and
+    ``ContractError`` if the tree is nested deeper than Python's recursion limit lets
+    ``named_modules()`` walk; the message starts with ``api_name`` and names the
+    root by ``label`` (its class name if None).
+    """
+    try:
+        return _walk(root)
+    except RecursionError:
+        # Found only now, in a second walk: looking for cycles during the walk would
+        # cost every snapshot a set insertion per module.
+        raise _walk_error(root, api_name, label) from None
+
+
+def _walk(root: nn.Module) -> FQNSnapshot:
+    """The snapshot of ``root``; a ``RecursionError`` for a cyclic or too deep tree."""
     modules: list[nn.Module] = []
     depths: list[int] = []
     names: list[str] = []
@@ -205,25 +245,30 @@ def take_snapshot(root: nn.Module) -> FQNSnapshot:
     # until the cycle collector runs (never, where training loops disable it).
     def visit(module: nn.Module, name: str, depth: int, recurse: Callable[..., None]) -> None:
         # nn.Module.__init__ puts the three member dicts in the instance __dict__
-        # (ScriptModules too); reading them there skips three attribute lookups.
+        # (scripted modules too); reading them there skips three attribute lookups.
+        # A traced module has none there: its attribute lookup reaches the scripted
+        # module inside, as named_parameters() and the other named_* functions do.
         attributes = module.__dict__
+        try:
+            own_params: _Members = attributes["_parameters"]
+            own_buffers: _Members = attributes["_buffers"]
+            children: Mapping[str, nn.Module | None] = attributes["_modules"]
+        except KeyError:
+            own_params, own_buffers, children = _members(module)
         if "forward" in attributes:
             forwards[len(modules)] = attributes["forward"]
         add_module(module)
         add_depth(depth)
         add_name(name)
-        own_params: dict[str, object] = attributes["_parameters"]
         add_param_count(len(own_params))
         if own_params:
             add_param_keys(own_params.keys())
             add_param_values(own_params.values())
-        own_buffers: dict[str, object] = attributes["_buffers"]
         add_buffer_count(len(own_buffers))
         if own_buffers:
             add_buffer_keys(own_buffers.keys())
             add_buffer_values(own_buffers.values())
         depth += 1
-        children: dict[str, nn.Module | None] = attributes["_modules"]
         for child_name, child in children.items():
             if child is not None:
                 recurse(child, child_name, depth, recurse)
@@ -237,6 +282,68 @@ def take_snapshot(root: nn.Module) -> FQNSnapshot:
         (param_counts, param_keys, list(map(id, param_values))),
         (buffer_counts, buffer_keys, list(map(id, buffer_values))),
     )
+
+
+_Members = Mapping[str, object]
+
+
+def _members(module: nn.Module) -> tuple[_Members, _Members, Mapping[str, nn.Module | None]]:
+    """``module``'s parameters, buffers and children, read through its attributes.
+
+    For modules whose ``__dict__`` lacks them, as a ``torch.jit.trace``d module's does.
+    """
+    return module._parameters, module._buffers, module._modules
+
+
+def _walk_error(
+    root: nn.Module, api_name: str, label: Callable[[nn.Module], str] | None
+) -> ContractError:
+    """Why the walk of ``root`` went too deep: a cycle, or a tree nested too deeply."""
+    name = label(root) if label is not None else type(root).__qualname__
+    cycle = _find_cycle(root)
+    if cycle is not None:
+        path, module, ancestor = cycle
+        return CyclicModuleTreeError(
+            f"{api_name}: the module tree of {name} has a cycle: {type(module).__qualname__} at "
+            f"{path!r} is the module at {_quote(ancestor)} again, so named_modules(), "
+            "state_dict() and the FQN check never end; remove that reference from the tree "
+            "(keep a weakref.ref to the module instead)"
+        )
+    return ContractError(
+        f"{api_name}: the module tree of {name} is nested deeper than Python's recursion limit "
+        f"({sys.getrecursionlimit()}) lets named_modules() and state_dict() walk it; flatten it, "
+        "or raise the limit with sys.setrecursionlimit"
+    )
+
+
+def _find_cycle(root: nn.Module) -> tuple[str, nn.Module, str] | None:
+    """The first path, pre-order, at which a module of ``root``'s tree contains itself.
+
+    Returns the path where the module is met again, the module, and its path on the
+    way there; None for an acyclic tree. Iterative, and each module is explored once.
+    """
+    on_path: dict[int, str] = {}  # id -> FQN of the modules on the current path
+    explored: set[int] = set()
+    stack: list[tuple[str, nn.Module, bool]] = [("", root, False)]
+    while stack:
+        fqn, module, leaving = stack.pop()
+        if leaving:
+            del on_path[id(module)]
+            explored.add(id(module))
+            continue
+        if id(module) in on_path:
+            return fqn, module, on_path[id(module)]
+        if id(module) in explored:
+            continue
+        on_path[id(module)] = fqn
+        stack.append((fqn, module, True))
+        dot = fqn + "." if fqn else ""
+        stack.extend(
+            (dot + name, child, False)
+            for name, child in reversed(module._modules.items())
+            if child is not None
+        )
+    return None
 
 
 def descendants(root: nn.Module, seen: set[int] | None = None) -> Iterator[nn.Module]:
@@ -284,13 +391,19 @@ def _present(names: list[str], ids: list[int]) -> tuple[list[str], list[int]]:
 def check_unchanged(
     api_name: str, label: Callable[[nn.Module], str], before: FQNSnapshot, after: FQNSnapshot
 ) -> None:
-    """Raise ``FQNChangedError`` naming the first kind of FQN that differs."""
+    """Raise ``FQNChangedError`` naming the first kind of FQN that differs.
+
+    Parameters are compared as ``named_parameters()`` lists them and then at every
+    path, as ``state_dict()`` does: replacing one path of a shared module keeps the
+    first list and the module FQNs but loses that path's entries in a state dict.
+    """
     if before.same_as(after):
         return
     for kind, old, new in (
         ("parameter", before.parameters, after.parameters),
         ("buffer", before.buffers, after.buffers),
         ("module", before.module_fqns, after.module_fqns),
+        ("state_dict parameter", before.state_dict_parameters, after.state_dict_parameters),
     ):
         if old != new:
             raise FQNChangedError(
@@ -320,20 +433,33 @@ def check_strict(
         )
     if first_forward is not None:
         old_cls = before.classes[first_forward]
+        where = (
+            f"the instance of {old_cls.__qualname__} at {_quote(before.module_fqns[first_forward])}"
+        )
+        if first_forward in after._forwards:
+            done = f"assigned forward on {where}"
+        else:
+            done = f"deleted the forward assigned on {where}, so its class's forward runs again"
         raise ContractError(
-            f"{api_name} assigned forward on the instance of {old_cls.__qualname__} at "
-            f"{_quote(before.module_fqns[first_forward])}; register a forward pre-hook or hook "
-            "instead, or pass strict=False to contract() to allow it"
+            f"{api_name} {done}; register a forward pre-hook or hook instead, "
+            "or pass strict=False to contract() to allow it"
         )
 
 
 def _first_foreign_class(before: FQNSnapshot, after: FQNSnapshot) -> int | None:
-    """The first position whose module is no longer an instance of its old class."""
+    """The first position whose module is no longer an instance of its old class.
+
+    A lazy module that materialized (``nn.LazyLinear`` becomes ``nn.Linear`` when it
+    first runs) became what its old class's ``cls_to_become`` names: that is PyTorch's
+    own doing, not a foreign class.
+    """
     if all(map(is_, before.classes, after.classes)):
         return None
     for index, (old_cls, new_module) in enumerate(zip(before.classes, after.modules, strict=True)):
         if not isinstance(new_module, old_cls):
-            return index
+            becomes: object = getattr(old_cls, "cls_to_become", None)
+            if not (isinstance(becomes, type) and isinstance(new_module, becomes)):
+                return index
     return None
 
 

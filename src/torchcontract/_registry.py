@@ -39,7 +39,9 @@ class RegistryEntry:
     """One application of an API to a module: the API and the arguments it was called with.
 
     ``args`` and ``kwargs`` are as passed, without the module; ``arguments`` binds
-    them to the API function's signature, defaults included.
+    them to the API function's signature, defaults included. They are kept as given,
+    for as long as the module lives, and not walked: an argument that reaches the
+    module (itself, a bound method of it, a closure over it) keeps it alive.
     """
 
     api: AnyContract

@@ -13,6 +13,9 @@ Reads take no lock; writes hold ``WRITE_LOCK`` and are journaled (see
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import types
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from types import MappingProxyType
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar, cast
 import attrs
 from torch import nn
 
+from ._describe import module_label
 from ._errors import InvalidRecordError
 from ._transaction import WRITE_LOCK, journal_undo
 
@@ -171,34 +175,58 @@ def check_holds_no_module(
     field_names: tuple[str, ...],
     api_name: str,
     error: type[TypeError] = InvalidRecordError,
+    owner: nn.Module | None = None,
 ) -> None:
-    """Raise ``error`` if ``record`` holds an ``nn.Module`` in one of its fields.
+    """Raise ``error`` if ``record`` keeps an ``nn.Module`` alive through one of its fields.
 
     A value that references its own key keeps it alive forever in a weak-keyed
-    store, so modules are refused in fields, in built-in containers inside them and
-    in nested attrs records.
+    store, so modules are refused in fields and in whatever ``_holds_module`` walks.
     ``error`` is ``InvalidRecordError`` for a record being stored, and
     ``InvalidStateClassError`` for the default record checked at decoration.
+    ``owner`` is the module the record is for, when there is one; the message names it.
     """
     for name in field_names:
         if _holds_module(getattr(record, name)):
             raise error(
                 f"{api_name}: field {name!r} of {type(record).__qualname__} holds an "
-                "nn.Module, which would keep the module alive forever; store its FQN "
-                "or a weakref.ref to it instead"
+                "nn.Module (itself, in a container, or through a bound method, a closure or "
+                "a functools.partial), which would keep the module alive forever; store its "
+                "FQN or a weakref.ref to it instead"
+                + (f" (record for {module_label(owner)})" if owner is not None else "")
             )
 
 
 #: Values that cannot hold anything: most record fields, answered without a walk.
-_ATOMS: Final = frozenset({int, float, complex, bool, str, bytes, type(None)})
+#: Weak references and proxies hold nothing either (a proxy of a module passes
+#: ``isinstance(proxy, nn.Module)``, so it must be answered before that test).
+_ATOMS: Final = frozenset(
+    {
+        int,
+        float,
+        complex,
+        bool,
+        str,
+        bytes,
+        type(None),
+        weakref.ProxyType,
+        weakref.CallableProxyType,
+    }
+)
+
+#: Methods bound to an object, which they keep alive through ``__self__``.
+_BOUND: Final = (types.MethodType, types.BuiltinMethodType, types.MethodWrapperType)
 
 
 def _holds_module(value: object) -> bool:
-    """Whether ``value`` is a module or reaches one through containers or attrs records.
+    """Whether ``value`` is a module or keeps one alive through what it holds.
 
-    Built-in containers (dict keys included) and nested attrs records are walked
-    without recursion, each once, so a deep or self-referencing value gets an
-    answer rather than a ``RecursionError``.
+    Walked: built-in containers (dict keys included), nested attrs records, bound
+    methods (their ``__self__``), functions (the contents of their closure cells and
+    their defaults) and ``functools.partial`` objects (function, arguments). Without
+    recursion, each object once, so a deep or self-referencing value gets an answer
+    rather than a ``RecursionError``. Not walked: weak references and proxies, which
+    keep nothing alive, and a function's globals, which live as long as its module
+    does anyway.
     """
     if type(value) in _ATOMS:
         return False
@@ -221,7 +249,25 @@ def _holds_module(value: object) -> bool:
             pending.extend(cast("Iterable[object]", item))
         elif attrs.has(cls := type(item)):
             pending.extend(getattr(item, field.name) for field in attrs.fields(cls))
+        else:
+            pending.extend(_references(item))
     return False
+
+
+def _references(item: object) -> list[object]:
+    """What a callable keeps alive that may be a module: see ``_holds_module``."""
+    if isinstance(item, _BOUND):
+        return [item.__self__]
+    if isinstance(item, types.FunctionType):
+        held: list[object] = [*(item.__defaults__ or ()), *(item.__kwdefaults__ or {}).values()]
+        for cell in item.__closure__ or ():
+            with contextlib.suppress(ValueError):  # a cell not filled yet
+                held.append(cell.cell_contents)
+        return held
+    if isinstance(item, functools.partial):
+        partial = cast("functools.partial[object]", item)
+        return [partial.func, *partial.args, *partial.keywords.values()]
+    return []
 
 
 class StateStore:
