@@ -220,10 +220,16 @@ def test_checkpointing_every_block_cuts_saved_activations(use_reentrant: bool) -
     unchecked = _saved_by_forward(reference, _inputs())
     checked = _saved_by_forward(model, _inputs())
     # Unchecked: every block saves its input, both Linear inputs, the ReLU output and the
-    # dropout mask. Checked: only what torch's machinery keeps of each region's input.
+    # dropout mask. Checked: only what torch's machinery keeps of each region's input
+    # (one tensor per block on current torch, two views of it on torch 2.6).
     assert unchecked.count >= 5 * len(model)
-    assert checked.count <= len(model)
+    assert checked.count <= 2 * len(model)
     assert checked.bytes * 4 <= unchecked.bytes
+    if not use_reentrant:  # exactly what torch's own composable checkpoint keeps
+        theirs = deep_mlp()
+        for block in theirs:
+            torch_checkpoint(block)
+        assert checked == _saved_by_forward(theirs, _inputs())
 
 
 def test_disabled_record_stops_checkpointing() -> None:

@@ -7,7 +7,7 @@ without suppressing anything.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Final, cast
 
@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils.hooks import RemovableHandle
+
+from torchcontract import _compat
 
 __all__ = [
     "all_gather_objects",
@@ -39,13 +41,8 @@ __all__ = [
     "to_ints",
 ]
 
-#: ``torch.utils.checkpoint._checkpoint_without_reentrant_generator(fn, preserve_rng_state,
-#: context_fn, determinism_check, debug, early_stop, *args, **kwargs)``: yields once, while
-#: the checkpointed forward runs.
-checkpoint_generator: Final = cast(
-    Callable[..., Generator[None, None, None]],
-    torch_checkpoint._checkpoint_without_reentrant_generator,
-)
+#: torch's non-reentrant checkpoint generator, as this torch release calls it.
+checkpoint_generator: Final = _compat.checkpoint_generator
 
 #: False inside ``torch.autograd.grad()`` or ``backward(inputs=...)``, where a reentrant
 #: backward cannot reach the leaves.

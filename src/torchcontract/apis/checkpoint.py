@@ -118,8 +118,6 @@ class _NonReentrantRegion(_Region):
             preserve_rng_state,
             context_fns,
             torch_checkpoint._DEFAULT_DETERMINISM_MODE,
-            False,  # debug
-            True,  # early_stop
             *args,
             **kwargs,
         )
