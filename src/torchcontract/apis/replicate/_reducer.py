@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
+from typing import Final
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,9 @@ from ._buckets import FIRST_BUCKET_BYTES, assign_buckets, broadcast_from_first_r
 from ._state import ReplicateState
 
 __all__ = ["Reducer"]
+
+#: A model's gradients are reduced in this many buckets at least, where the caps allow.
+_MIN_BUCKETS: Final = 8
 
 #: Called at the end of each synchronized backward, with the new buckets once rebuilt.
 OnSynchronized = Callable[[nn.Module, tuple[tuple[str, ...], ...] | None], None]
@@ -63,6 +67,11 @@ class Reducer:
         self._names = tuple(name for name, _ in named)
         self._parameters = tuple(weakref.ref(parameter) for _, parameter in named)
         self._cap_bytes = cap_bytes
+        parameters = [parameter for _, parameter in named]
+        total = sum(parameter.numel() * parameter.element_size() for parameter in parameters)
+        # At most the cap, and at most an eighth of the gradient bytes (but 1 MiB at
+        # least), so that reductions overlap the backward on models of a few caps too.
+        self._bucket_bytes = min(cap_bytes, max(FIRST_BUCKET_BYTES, total // _MIN_BUCKETS))
         # As DDP: a smaller first bucket, so that the first collective starts early.
         self._first_cap = min(FIRST_BUCKET_BYTES, cap_bytes)
         self._on_synchronized = on_synchronized
@@ -76,9 +85,8 @@ class Reducer:
         # As DDP: a module without buffers at apply never broadcasts any, and skips the
         # walk over its tree that finds them on every forward.
         self._has_buffers = next(module.buffers(), None) is not None
-        parameters = [parameter for _, parameter in named]
         self._set_buckets(
-            assign_buckets(parameters, reversed(range(count)), self._first_cap, cap_bytes)
+            assign_buckets(parameters, reversed(range(count)), self._first_cap, self._bucket_bytes)
         )
 
     @property
@@ -254,7 +262,7 @@ class Reducer:
             _torch.broadcast(shared, dist.get_global_rank(self._group, 0), self._group)
         parameters = [self._parameter(index) for index in range(len(self._names))]
         self._set_buckets(
-            assign_buckets(parameters, _torch.to_ints(shared), self._first_cap, self._cap_bytes)
+            assign_buckets(parameters, _torch.to_ints(shared), self._first_cap, self._bucket_bytes)
         )
 
 
