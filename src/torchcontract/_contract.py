@@ -30,8 +30,15 @@ from ._errors import (
 )
 from ._fqn import FQNSnapshot, check_strict, check_unchanged, descendants, take_snapshot
 from ._registry import REGISTRY, Incompatible, RegistryEntry, check_compatible
-from ._store import DEFAULT_STORE, Cell, StateStore, check_holds_no_module
-from ._transaction import WRITE_LOCK, Transaction, journal_undo
+from ._store import (
+    DEFAULT_STORE,
+    Cell,
+    StateStore,
+    check_holds_no_module,
+    field_reader,
+    holds_only_atoms,
+)
+from ._transaction import WRITE_LOCK, Transaction, open_journal
 
 __all__ = ["AnyContract", "Application", "Contract", "EmptyState", "contract"]
 
@@ -112,6 +119,7 @@ class Contract(Generic[_P, _R, _S]):
         self.__qualname__: str = func.__qualname__
         self._func = func
         self._fields = fields
+        self._field_values = field_reader(fields)
         self.state_cls = state_cls
         self.store = store
         self.rules = rules
@@ -296,7 +304,9 @@ class Contract(Generic[_P, _R, _S]):
         class, the record is unchanged.
         """
         with WRITE_LOCK:
-            cell = self._cell(module)
+            cell = self._cells.get(id(module))
+            if cell is None:
+                raise _not_applied(self.name, module)
             record = transition(cell.record)
             self._check_record(record, "update", module)
             self._write(cell, record)
@@ -311,21 +321,25 @@ class Contract(Generic[_P, _R, _S]):
     def _write(self, cell: Cell[Any], record: object) -> None:
         old = cell.record
         cell.record = record
+        journal = open_journal()
+        if journal is None:
+            return  # outside an apply: nothing to undo, and no undo step to build
 
         def undo() -> None:
             if cell.record is record:
                 cell.record = old
 
-        journal_undo(undo)
+        journal.append(undo)
 
     def _check_record(self, record: object, method: str, module: nn.Module) -> None:
-        if not isinstance(record, self.state_cls):
+        if type(record) is not self.state_cls and not isinstance(record, self.state_cls):
             raise InvalidRecordError(
                 f"{self.name}.{method}: expected a {self.state_cls.__qualname__} record, got "
                 f"{type(record).__qualname__} for {module_label(module)}; "
                 "build one with attrs.evolve(record, ...)"
             )
-        check_holds_no_module(record, self._fields, f"{self.name}.{method}", owner=module)
+        if not holds_only_atoms(self._field_values(record)):
+            check_holds_no_module(record, self._fields, f"{self.name}.{method}", owner=module)
 
     # ----------------------------------------------------------------- arguments
 
@@ -353,10 +367,12 @@ def _not_applied(name: str, module: nn.Module) -> NotAppliedError:
 def _state_reader(cells: Mapping[int, Cell[Any]], name: str) -> Callable[[nn.Module], Any]:
     """``Contract.state`` of the API called ``name``, as a closure over its cells."""
 
+    key = id  # a closure variable: no global and builtins lookup per call
+
     def state(module: nn.Module) -> Any:
         """The record of ``module``; ``NotAppliedError`` if the API is not applied to it."""
         try:
-            return cells[id(module)].record
+            return cells[key(module)].record
         except KeyError:
             raise _not_applied(name, module) from None
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import types
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
@@ -31,7 +32,14 @@ from ._transaction import WRITE_LOCK, journal_undo
 if TYPE_CHECKING:
     from ._contract import AnyContract
 
-__all__ = ["Cell", "ModuleTable", "StateStore", "check_holds_no_module"]
+__all__ = [
+    "Cell",
+    "ModuleTable",
+    "StateStore",
+    "check_holds_no_module",
+    "field_reader",
+    "holds_only_atoms",
+]
 
 _K = TypeVar("_K", bound=Hashable)
 _V = TypeVar("_V")
@@ -194,6 +202,21 @@ def check_holds_no_module(
                 "FQN or a weakref.ref to it instead"
                 + (f" (record for {module_label(owner)})" if owner is not None else "")
             )
+
+
+def field_reader(field_names: tuple[str, ...]) -> Callable[[object], tuple[object, ...]]:
+    """A function returning a record's field values as a tuple, read in C (``attrgetter``)."""
+    if not field_names:
+        return lambda record: ()
+    if len(field_names) == 1:
+        # attrgetter of one name returns the value itself; of two, a tuple.
+        return operator.attrgetter(field_names[0], field_names[0])
+    return operator.attrgetter(*field_names)
+
+
+def holds_only_atoms(values: tuple[object, ...]) -> bool:
+    """Whether every value is of a type that holds nothing: the record needs no walk."""
+    return _ATOMS.issuperset(map(type, values))
 
 
 #: Values that cannot hold anything: most record fields, answered without a walk.

@@ -15,13 +15,18 @@ from contextvars import ContextVar
 from types import TracebackType
 from typing import Final
 
-__all__ = ["WRITE_LOCK", "Transaction", "journal_undo"]
+__all__ = ["WRITE_LOCK", "Transaction", "journal_undo", "open_journal"]
 
 #: Serializes every write to every table; reads take no lock.
 WRITE_LOCK: Final = threading.RLock()
 
 _Undo = Callable[[], None]
 _JOURNAL: Final[ContextVar[list[_Undo] | None]] = ContextVar("torchcontract_journal", default=None)
+
+
+def open_journal() -> list[_Undo] | None:
+    """The journal of the transaction open in this context, or None outside any."""
+    return _JOURNAL.get()
 
 
 def journal_undo(undo: _Undo) -> None:
