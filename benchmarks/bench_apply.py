@@ -1,4 +1,4 @@
-"""Applying APIs: to the root of a model that has one already, FSDP-style, and to a list.
+"""Applying APIs: to one Linear, to the root of a model that has one already, FSDP-style, to a list.
 
 Every round builds a fresh model (untimed), since an API applies once per module.
 """
@@ -9,6 +9,7 @@ import time
 
 import pytest
 from pytest_benchmark.fixture import BenchmarkFixture
+from torch import nn
 
 from .harness import label, time_once_per_model
 from .libraries import NAMES, Library, library_named
@@ -18,8 +19,9 @@ from .models import Model, build_model, modules_in
 pytestmark = pytest.mark.benchmark(timer=time.process_time)
 
 
-# The required sizes are 8, 64 and 512 blocks; the others fill in the scaling plot.
-ROOT_SIZES = (8, 16, 32, 64, 128, 256, 512)
+# The required sizes are 8, 64 and 512 blocks; the others fill in the scaling plot, the
+# smallest ones showing the fixed cost of an apply.
+ROOT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 SIZES = (8, 64, 512)
 
 
@@ -31,6 +33,27 @@ ROOT_ROUNDS = 21
 def rounds_for(blocks: int) -> int:
     """Enough rounds for a steady median, few enough that building the models stays cheap."""
     return 21 if blocks <= 64 else 13
+
+
+#: Fresh Linears applied to in one round; the table shows the time per apply.
+LINEARS = 200
+
+
+def _apply_to_each(library: Library, modules: list[nn.Module]) -> None:
+    for module in modules:
+        library.apply(module)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_apply_to_one_linear(benchmark: BenchmarkFixture, name: str) -> None:
+    """One API applied to each of many fresh ``nn.Linear``: the fixed cost of an apply."""
+    library = library_named(name)
+
+    def prepare() -> tuple[Library, list[nn.Module]]:
+        return library, [nn.Linear(16, 16) for _ in range(LINEARS)]
+
+    label(benchmark, workload="apply to one nn.Linear", library=name, modules=1, calls=LINEARS)
+    time_once_per_model(benchmark, _apply_to_each, prepare, rounds=ROOT_ROUNDS)
 
 
 @pytest.mark.parametrize("blocks", ROOT_SIZES)

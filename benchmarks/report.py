@@ -37,8 +37,16 @@ README_END: Final = "<!-- end of benchmark results -->"
 OURS: Final = "torchcontract"
 TORCH: Final = "torch"
 
-#: The targets of the performance issue: ratio torchcontract / torch at 512 blocks.
-RATIO_TARGETS: Final = {"root apply": 0.33, "FSDP pattern": 0.5, "state() lookup": 0.7}
+#: Targets, ratio torchcontract / torch, by workload and model size (None: no blocks).
+RATIO_TARGETS: Final[dict[tuple[str, int | None], float]] = {
+    ("apply to one nn.Linear", None): 0.5,
+    ("root apply", 8): 0.3,
+    ("root apply", 512): 0.2,
+    ("FSDP pattern", 8): 0.35,
+    ("FSDP pattern", 512): 0.3,
+    ("state() lookup", 512): 0.5,
+    ("update()", 512): 2.0,
+}
 #: The target of training steps against DDP: the in-rank ratio over alternating steps.
 ALTERNATING_TARGET: Final = 1.0
 GROWTH_TARGET: Final = 9.0  # time at 512 blocks over time at 64 blocks, root apply
@@ -159,7 +167,7 @@ def time_table(results: Sequence[Result]) -> list[str]:
         if "process_time" not in any_result.timer:
             per_call += " (wall time)"
         ratio = ours.per_call / theirs.per_call if ours and theirs else None
-        target = RATIO_TARGETS.get(workload) if blocks == GROWTH_TO else None
+        target = RATIO_TARGETS.get((workload, blocks))
         others = ", ".join(
             f"{name}: {format_time(result.per_call)}"
             for name, result in by_library.items()
