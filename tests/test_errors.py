@@ -11,9 +11,11 @@ from torch import nn
 import torchcontract
 from torchcontract import (
     AlreadyAppliedError,
+    AlreadyManagedError,
     ContractError,
     FQNChangedError,
     IncompatibleAPIError,
+    InvalidMeshError,
     InvalidRecordError,
     InvalidResultError,
     InvalidStateClassError,
@@ -28,6 +30,8 @@ from torchcontract import (
     [
         (ContractError, (RuntimeError,)),
         (AlreadyAppliedError, (ContractError,)),
+        (AlreadyManagedError, (ContractError,)),
+        (InvalidMeshError, (ContractError, ValueError)),
         (NotAppliedError, (ContractError, LookupError)),
         (FQNChangedError, (ContractError,)),
         (IncompatibleAPIError, (ContractError,)),
@@ -46,9 +50,11 @@ def test_every_error_is_exported() -> None:
     assert sorted(errors) == sorted(
         [
             "AlreadyAppliedError",
+            "AlreadyManagedError",
             "ContractError",
             "FQNChangedError",
             "IncompatibleAPIError",
+            "InvalidMeshError",
             "InvalidRecordError",
             "InvalidResultError",
             "InvalidStateClassError",

@@ -6,9 +6,11 @@ from ._contract import Contract, EmptyState, contract
 from ._describe import describe
 from ._errors import (
     AlreadyAppliedError,
+    AlreadyManagedError,
     ContractError,
     FQNChangedError,
     IncompatibleAPIError,
+    InvalidMeshError,
     InvalidRecordError,
     InvalidResultError,
     InvalidStateClassError,
@@ -21,6 +23,7 @@ from ._store import StateStore
 
 __all__ = [
     "AlreadyAppliedError",
+    "AlreadyManagedError",
     "Contract",
     "ContractError",
     "EmptyState",
@@ -28,6 +31,7 @@ __all__ = [
     "FQNSnapshot",
     "Incompatible",
     "IncompatibleAPIError",
+    "InvalidMeshError",
     "InvalidRecordError",
     "InvalidResultError",
     "InvalidStateClassError",

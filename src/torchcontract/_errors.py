@@ -8,9 +8,11 @@ from __future__ import annotations
 
 __all__ = [
     "AlreadyAppliedError",
+    "AlreadyManagedError",
     "ContractError",
     "FQNChangedError",
     "IncompatibleAPIError",
+    "InvalidMeshError",
     "InvalidRecordError",
     "InvalidResultError",
     "InvalidStateClassError",
@@ -33,6 +35,14 @@ class NotAppliedError(ContractError, LookupError):
 
 class FQNChangedError(ContractError):
     """The API function changed a parameter, buffer or module FQN, or their order."""
+
+
+class AlreadyManagedError(ContractError):
+    """A parameter is already sharded: another application manages it, or it is a DTensor."""
+
+
+class InvalidMeshError(ContractError, ValueError):
+    """The device mesh given to an API does not have the shape the API needs."""
 
 
 class IncompatibleAPIError(ContractError):

@@ -18,6 +18,7 @@ from torch.utils import checkpoint as torch_checkpoint
 from torch.utils.hooks import RemovableHandle
 
 __all__ = [
+    "all_gather_into",
     "all_gather_objects",
     "all_reduce",
     "all_reduce_blocking",
@@ -30,7 +31,9 @@ __all__ = [
     "infer_device_type",
     "manual_seed",
     "optimizer_step",
+    "reduce_scatter_average",
     "register_post_accumulate_grad_hook",
+    "register_tensor_hook",
     "set_device_states",
     "to_bools",
 ]
@@ -118,5 +121,32 @@ def register_post_accumulate_grad_hook(
     register = cast(
         Callable[[Callable[[Tensor], None]], RemovableHandle],
         parameter.register_post_accumulate_grad_hook,
+    )
+    return register(hook)
+
+
+_all_gather_single: Final = cast(Callable[..., dist.Work | None], dist.all_gather_single)
+_reduce_scatter_single: Final = cast(Callable[..., dist.Work | None], dist.reduce_scatter_single)
+
+
+def all_gather_into(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:
+    """Concatenate every rank's ``input`` (same size on all) into ``output``, by rank; wait."""
+    _all_gather_single(output, input, group=group)
+
+
+def reduce_scatter_average(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:
+    """Average ``input`` over ``group`` and keep this rank's slice in ``output``; wait.
+
+    ``input`` holds ``group.size()`` equal slices, one per rank, in rank order.
+    """
+    _reduce_scatter_single(output, input, op=dist.ReduceOp.AVG, group=group)
+
+
+def register_tensor_hook(
+    tensor: Tensor, hook: Callable[[Tensor], Tensor | None]
+) -> RemovableHandle:
+    """Call ``hook(grad)`` when the gradient of ``tensor`` is computed; it may replace it."""
+    register = cast(
+        Callable[[Callable[[Tensor], Tensor | None]], RemovableHandle], tensor.register_hook
     )
     return register(hook)
