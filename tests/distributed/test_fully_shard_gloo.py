@@ -6,6 +6,7 @@ returns what each rank measured; each test asserts one behaviour on those result
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from fully_shard_models import (
     loss_on,
 )
 from torch import Tensor, nn
+from torch.distributed._composable.replicate import replicate as torch_replicate
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -44,6 +46,7 @@ from torchcontract import (
     IncompatibleAPIError,
     InvalidMeshError,
     NotAppliedError,
+    contract,
 )
 from torchcontract.apis import (
     FullyShardState,
@@ -74,18 +77,40 @@ def _sgd(parameters: Iterator[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(parameters, lr=0.1, momentum=0.9)
 
 
-def _shard_ours(model: GPT, mesh: DeviceMesh, **options: Any) -> GPT:
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, **options)
+def _shard_ours(model: GPT, mesh: DeviceMesh, grouped: bool = False, **options: Any) -> GPT:
+    """Ours on each block (or on all blocks as one group), then on the root."""
+    if grouped:
+        fully_shard(list(model.blocks), mesh=mesh, **options)
+    else:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, **options)
     fully_shard(model, mesh=mesh, **options)
     return model
 
 
-def _shard_theirs(model: GPT, mesh: DeviceMesh, **options: Any) -> GPT:
-    for block in model.blocks:
-        torch_fully_shard(block, mesh=mesh, **options)
+def _shard_theirs(model: GPT, mesh: DeviceMesh, grouped: bool = False, **options: Any) -> GPT:
+    """Torch's fully_shard, applied as ``_shard_ours`` applies ours."""
+    if grouped:
+        torch_fully_shard(list(model.blocks), mesh=mesh, **options)
+    else:
+        for block in model.blocks:
+            torch_fully_shard(block, mesh=mesh, **options)
     torch_fully_shard(model, mesh=mesh, **options)
     return model
+
+
+def _options(mixed: bool, keep: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Keyword arguments for ours and torch's: bfloat16 mixed precision, no reshard."""
+    ours: dict[str, Any] = {}
+    theirs: dict[str, Any] = {}
+    if mixed:
+        ours.update(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        theirs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    if keep:
+        ours["reshard_after_forward"] = theirs["reshard_after_forward"] = False
+    return ours, theirs
 
 
 # ----------------------------------------------------------------- scenarios
@@ -100,18 +125,16 @@ def _against_torch(
     prepare: Callable[[GPT], None] = lambda model: None,
     repeat_first: bool = False,
     mixed: bool = False,
+    grouped: bool = False,
+    keep: bool = False,
 ) -> tuple[list[tuple[float, float]], float, float]:
     """Train ours and torch's fully_shard side by side: losses per step, largest gaps."""
     ours, theirs = gpt(repeat_first), gpt(repeat_first)
     prepare(ours)
     prepare(theirs)
-    if mixed:
-        _shard_ours(ours, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        _shard_theirs(theirs, mesh, mp_policy=policy)
-    else:
-        _shard_ours(ours, mesh)
-        _shard_theirs(theirs, mesh)
+    ours_options, theirs_options = _options(mixed, keep)
+    _shard_ours(ours, mesh, grouped, **ours_options)
+    _shard_theirs(theirs, mesh, grouped, **theirs_options)
     optimizers = [make_optimizer(ours.parameters()), make_optimizer(theirs.parameters())]
     losses: list[tuple[float, float]] = []
     gradient_gap = 0.0
@@ -128,7 +151,9 @@ def _against_torch(
     return losses, gradient_gap, largest_gap(full_parameters(ours), full_parameters(theirs))
 
 
-def _against_one_process(rank: int, world_size: int, mesh: DeviceMesh) -> float:
+def _against_one_process(
+    rank: int, world_size: int, mesh: DeviceMesh
+) -> tuple[float, list[tuple[int, int]]]:
     """Ours on per-rank batches against one process on the global batch, SGD with momentum.
 
     Not Adam: the attention key bias has a gradient of exactly zero in theory, so
@@ -142,7 +167,11 @@ def _against_one_process(rank: int, world_size: int, mesh: DeviceMesh) -> float:
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
-    return largest_gap(full_parameters(ours), full_parameters(single))
+    counts = [
+        (record.forwards, record.backwards)
+        for record in (fully_shard.state(ours), fully_shard.state(ours.blocks[1]))
+    ]
+    return largest_gap(full_parameters(ours), full_parameters(single)), counts
 
 
 def _layout(mesh: DeviceMesh) -> Results:
@@ -210,9 +239,11 @@ def _unshard_and_reshard(mesh: DeviceMesh) -> tuple[bool, bool, bool]:
     return gathered, others_sharded, isinstance(first.get_parameter("up.weight"), DTensor)
 
 
-def _no_sync(rank: int, mesh: DeviceMesh) -> tuple[float, int, bool]:
+def _no_sync(rank: int, mesh: DeviceMesh, mixed: bool = False) -> tuple[float, int, bool]:
     """Two local micro-batches then a synced one, against torch's gradient-sync switch."""
-    ours, theirs = _shard_ours(gpt(), mesh), _shard_theirs(gpt(), mesh)
+    ours_options, theirs_options = _options(mixed, keep=False)
+    ours = _shard_ours(gpt(), mesh, **ours_options)
+    theirs = _shard_theirs(gpt(), mesh, **theirs_options)
     assert isinstance(theirs, FSDPModule)
     with fully_shard_no_sync(ours):
         inside = fully_shard.state(ours.blocks[1]).sync_gradients
@@ -279,7 +310,7 @@ def _small_and_plain_inputs(
     ).managed
 
 
-def _rule_messages(mesh: DeviceMesh) -> list[str]:
+def _rule_messages(rank: int, mesh: DeviceMesh) -> list[str]:
     messages: list[str] = []
     attempts: list[Callable[[], object]] = []
 
@@ -298,7 +329,13 @@ def _rule_messages(mesh: DeviceMesh) -> list[str]:
         torch_fully_shard(model.blocks[0], mesh=mesh)
         fully_shard(model, mesh=mesh)
 
-    attempts = [replicate_then_ours, ours_then_replicate, torch_then_ours]
+    def ours_then_torch(rank: int = rank) -> None:
+        model = gpt()
+        fully_shard(model, mesh=mesh)
+        torch_replicate(model.blocks[0])  # torch cannot see our rule: found at forward
+        loss_on(model, *batch(rank, 0))
+
+    attempts = [replicate_then_ours, ours_then_replicate, torch_then_ours, ours_then_torch]
     for attempt in attempts:
         try:
             attempt()
@@ -343,15 +380,40 @@ def _bad_input_messages(mesh: DeviceMesh, world_size: int) -> dict[str, str | bo
     return found
 
 
-def _freed_after_training(rank: int, mesh: DeviceMesh) -> bool:
+def _freed_after_training(rank: int, mesh: DeviceMesh) -> tuple[bool, bool]:
+    """Dropped after training: the model, and the sharded parameters, by reference counting."""
     model = _shard_ours(gpt(), mesh)
     optimizer = _adam(model.parameters())
     torch.autograd.backward(loss_on(model, *batch(rank, 0)))
     optimizer.step()
     alive = weakref.ref(model)
-    del model, optimizer
+    shard = weakref.ref(model.blocks[0].get_parameter("up.weight"))
     gc.collect()
-    return alive() is None
+    gc.disable()
+    try:
+        del model, optimizer
+        return alive() is None, shard() is None
+    finally:
+        gc.enable()
+
+
+@contract()
+def _shard_then_fail(module: nn.Module, mesh: DeviceMesh) -> None:
+    fully_shard(module, mesh=mesh)
+    raise ValueError("planned failure after fully_shard sharded the module")
+
+
+def _rolled_back(rank: int, mesh: DeviceMesh) -> tuple[bool, bool, float]:
+    """An apply rolled back by the API around it puts the parameters back, hooks off."""
+    model, plain = gpt(), gpt()
+    before = list(model.parameters())
+    with contextlib.suppress(ValueError):
+        _shard_then_fail(model, mesh)
+    restored = all(a is b for a, b in zip(model.parameters(), before, strict=True))
+    torch.autograd.backward(loss_on(model, *batch(rank, 0)))
+    torch.autograd.backward(loss_on(plain, *batch(rank, 0)))
+    gap = largest_gap(full_gradients(model), full_gradients(plain))
+    return fully_shard.is_applied(model), restored, gap
 
 
 def _checkpoint_round_trip(rank: int, world_size: int, mesh: DeviceMesh, directory: str) -> Results:
@@ -423,10 +485,14 @@ def _job(rank: int, world_size: int, directory: str) -> Results:
     results["frozen"] = _against_torch(rank, mesh, _adam, steps=3, prepare=_freeze_norms)
     results["twice"] = _against_torch(rank, mesh, _adam, steps=3, repeat_first=True)
     results["mixed"] = _against_torch(rank, mesh, _adam, steps=3, mixed=True)
+    results["grouped"] = _against_torch(rank, mesh, _adam, steps=3, grouped=True)
+    results["kept"] = _against_torch(rank, mesh, _adam, steps=3, keep=True)
     results["no_sync"] = _no_sync(rank, mesh)
+    results["no_sync_mixed"] = _no_sync(rank, mesh, mixed=True)
+    results["rolled_back"] = _rolled_back(rank, mesh)
     results["unshard"] = _unshard_and_reshard(mesh)
     results["checkpointed"] = _checkpointed_gap(rank, mesh)
-    results["rules"] = _rule_messages(mesh)
+    results["rules"] = _rule_messages(rank, mesh)
     results["bad_input"] = _bad_input_messages(mesh, world_size)
     if world_size == 2:
         results["dcp"] = _checkpoint_round_trip(rank, world_size, mesh, directory)
@@ -469,13 +535,21 @@ def test_ranks_see_different_data(ranks: list[Results]) -> None:
 
 
 def test_parameters_match_one_process_on_the_global_batch(ranks: list[Results]) -> None:
-    for gap in _each(ranks, "one_process"):
+    for gap, _ in _each(ranks, "one_process"):
         assert gap <= 1e-5
 
 
-@pytest.mark.parametrize("scenario", ["sgd", "adamw", "frozen", "twice", "mixed"])
+def test_records_count_forward_and_backward_passes(ranks: list[Results]) -> None:
+    for _, counts in _each(ranks, "one_process"):
+        assert counts == [(4, 4), (4, 4)]
+
+
+@pytest.mark.parametrize(
+    "scenario", ["sgd", "adamw", "frozen", "twice", "mixed", "grouped", "kept"]
+)
 def test_variants_match_torch_fully_shard(ranks: list[Results], scenario: str) -> None:
-    """SGD with momentum, AdamW, frozen norms, a block called twice, bfloat16 mixed precision."""
+    """SGD with momentum, AdamW, frozen norms, a block called twice, bfloat16 mixed
+    precision, both blocks as one group, and parameters kept unsharded after forward."""
     for losses, gradient_gap, parameter_gap in _each(ranks, scenario):
         assert all(_close(mine, theirs) for mine, theirs in losses)
         assert gradient_gap <= TOLERANCE
@@ -531,15 +605,30 @@ def test_small_layers_plain_inputs_and_empty_modules_match_one_process(
         assert empty_managed == ()
 
 
-def test_model_is_freed_after_training(ranks: list[Results]) -> None:
-    assert all(_each(ranks, "freed"))
+def test_model_and_shards_are_freed_without_garbage_collection(ranks: list[Results]) -> None:
+    for model_freed, shard_freed in _each(ranks, "freed"):
+        assert model_freed
+        assert shard_freed
+
+
+def test_a_rolled_back_apply_restores_the_parameters_and_stays_local(
+    ranks: list[Results],
+) -> None:
+    for applied, restored, gap in _each(ranks, "rolled_back"):
+        assert not applied
+        assert restored
+        assert gap == 0.0
 
 
 # ----------------------------------------------------------------- features
 
 
-def test_no_sync_accumulates_locally_then_matches_torch(ranks: list[Results]) -> None:
-    for gap, backwards, sync_inside in _each(ranks, "no_sync"):
+@pytest.mark.parametrize("scenario", ["no_sync", "no_sync_mixed"])
+def test_no_sync_accumulates_locally_then_matches_torch(
+    ranks: list[Results], scenario: str
+) -> None:
+    """Also in bfloat16, where both keep the unreduced gradients in the reduce dtype."""
+    for gap, backwards, sync_inside in _each(ranks, scenario):
         assert gap <= TOLERANCE
         assert backwards == 1
         assert sync_inside is False
@@ -560,7 +649,7 @@ def test_checkpointed_blocks_give_unchanged_gradients(ranks: list[Results]) -> N
 def test_replicate_and_torch_fully_shard_are_refused_in_either_order(
     ranks: list[Results],
 ) -> None:
-    for first, second, third in _each(ranks, "rules"):
+    for first, second, third, fourth in _each(ranks, "rules"):
         assert first.startswith("IncompatibleAPIError: torchcontract.apis.fully_shard")
         assert "replicate" in first
         assert "on Block 'blocks.0', inside GPT" in first
@@ -568,6 +657,8 @@ def test_replicate_and_torch_fully_shard_are_refused_in_either_order(
         assert "fully_shard" in second
         assert third.startswith("IncompatibleAPIError: torchcontract.apis.fully_shard")
         assert "torch's fully_shard" in third
+        assert fourth.startswith("IncompatibleAPIError: torchcontract.apis.fully_shard")
+        assert "torch's replicate, applied after it on DDPBlock 'blocks.0' inside GPT" in fourth
 
 
 def test_bad_input_is_refused_naming_the_module_and_changing_nothing(

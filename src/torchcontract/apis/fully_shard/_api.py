@@ -201,7 +201,11 @@ def fully_shard(
 
 
 class _Undo:
-    """Put the original parameters back and remove the hooks, if the apply rolls back."""
+    """Put the original parameters back and remove the hooks, if the apply rolls back.
+
+    The journal holds it only while the transaction is open, so it may hold the
+    group and the original parameters strongly.
+    """
 
     def __init__(
         self,
@@ -209,18 +213,15 @@ class _Undo:
         originals: list[nn.Parameter],
         handles: list[RemovableHandle],
     ) -> None:
-        self._group = weakref.ref(group)
+        self._group = group
         self._originals = originals
         self._handles = handles
 
     def __call__(self) -> None:
         for handle in self._handles:
             handle.remove()
-        group = self._group()
-        if group is None:
-            return
-        ALL_GROUPS.discard(group)
-        for parameter, original in zip(group.parameters, self._originals, strict=True):
+        ALL_GROUPS.discard(self._group)
+        for parameter, original in zip(self._group.parameters, self._originals, strict=True):
             parameter.install(original)
 
 

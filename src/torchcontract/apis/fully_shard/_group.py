@@ -43,12 +43,27 @@ class Phase(enum.Enum):
 
 
 class Root:
-    """What the groups under one root share across an iteration."""
+    """What the groups under one root share across an iteration.
+
+    It holds the groups weakly: each group holds its root, and no cycle may keep
+    the groups' parameters alive once the model is dropped.
+    """
 
     def __init__(self, groups: Sequence[ParamGroup]) -> None:
-        self.groups = tuple(groups)
-        self.in_forward = False
+        self._groups = tuple(weakref.ref(group) for group in groups)
         self.callback_queued = False
+
+    @property
+    def groups(self) -> list[ParamGroup]:
+        return [group for ref in self._groups if (group := ref()) is not None]
+
+    def start_iteration(self) -> None:
+        """At the root's forward: forget a backward that failed before its end callback ran."""
+        if self.callback_queued:
+            self.callback_queued = False
+            for group in self.groups:
+                group.phase = Phase.IDLE
+                group.reduced = False
 
 
 class ParamGroup:
@@ -137,7 +152,9 @@ class ParamGroup:
         self.phase = Phase.POST_BACKWARD
         record = self.record()
         if record is not None and not record.sync_gradients:
-            self.reshard()  # the unsharded gradients stay, and accumulate
+            for parameter in self.parameters:
+                parameter.keep_unsharded_grad(self.reduce_dtype)
+            self.reshard()
             return
         pairs = [
             (parameter, grad)

@@ -6,8 +6,8 @@ through ``_PostBackward``, whose backward runs once every gradient with respect
 to them, and so the module's parameter gradients, is computed (PyTorch's
 ``RegisterPostBackwardFunction``). After forward: reshard (not the root), and
 hook the outputs so that their gradient gathers the parameters again first.
-A forward run by a checkpoint recomputation, in the group's backward, only makes
-sure the parameters are gathered.
+A forward run inside backward (a checkpoint recomputing it) only makes sure the
+parameters are gathered.
 """
 
 from __future__ import annotations
@@ -20,8 +20,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from torchcontract import IncompatibleAPIError, torch_registry
+from torchcontract._describe import _named_tree, module_label
+
 from .. import _torch
 from ._group import ALL_GROUPS, ParamGroup, Phase, Root
+from ._state import FullyShardState
 
 __all__ = ["ForwardHooks"]
 
@@ -48,30 +52,27 @@ class ForwardHooks:
         if not self._acts_on(module):
             return None
         group = self.group
-        if group.root is None:
-            _become_root(group)
         args, kwargs = self._cast((args, kwargs))
-        if group.phase is Phase.PRE_BACKWARD:  # recomputed by a checkpoint in backward
+        if _in_backward():  # a checkpoint recomputing the forward: gathered by pre-backward
             group.unshard()
             return args, kwargs
+        if group.root is None:
+            _become_root(group)
         root = group.root
         if group.is_root and root is not None:
-            root.in_forward = True
-        entering = group.phase is not Phase.FORWARD
+            root.start_iteration()
         group.phase = Phase.FORWARD
         group.unshard()
-        group.update(lambda record: attrs.evolve(record, forwards=record.forwards + 1))
-        if entering and torch.is_grad_enabled():
+        group.update(_count_forward)
+        if torch.is_grad_enabled():
             args, kwargs = _with_post_backward(group, args, kwargs)
         return args, kwargs
 
     def after(self, module: nn.Module, args: tuple[Any, ...], output: object) -> object:
         """Forward hook: reshard (unless root), hook the outputs for the pre-backward."""
-        if not self._acts_on(module):
+        if not self._acts_on(module) or _in_backward():
             return None
         group = self.group
-        if group.phase is Phase.PRE_BACKWARD:
-            return None
         if group.reshards_after_forward:
             group.reshard()
         group.phase = Phase.IDLE
@@ -79,9 +80,6 @@ class ForwardHooks:
             for leaf in pytree.tree_leaves(output):
                 if isinstance(leaf, Tensor) and leaf.requires_grad:
                     _torch.register_tensor_hook(leaf, group.pre_backward)
-        root = group.root
-        if group.is_root and root is not None:
-            root.in_forward = False
         return None
 
     def _cast(
@@ -99,6 +97,15 @@ class ForwardHooks:
         return cast(tuple[Any, ...], args), cast(dict[str, Any], kwargs)
 
 
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward in this thread (as FSDP2's ``is_bw``)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _count_forward(record: FullyShardState) -> FullyShardState:
+    return attrs.evolve(record, forwards=record.forwards + 1)
+
+
 def _become_root(group: ParamGroup) -> None:
     """Lazy init: ``group`` runs forward first, so it is the root of the groups inside it."""
     by_module: dict[int, ParamGroup] = {}
@@ -113,10 +120,29 @@ def _become_root(group: ParamGroup) -> None:
             if other is not None and id(other) not in seen:
                 seen.add(id(other))
                 found.append(other)
+    _check_no_torch_api(group)
     root = Root(found)
     for member in found:
         member.root = root
         member.is_root = member is group
+
+
+def _check_no_torch_api(group: ParamGroup) -> None:
+    """Refuse torch's ``fully_shard``/``replicate`` applied inside after ours.
+
+    Torch's contract cannot see our rules, so it allowed them; the first forward
+    is the first moment to say so.
+    """
+    for top in group.modules():
+        for fqn, module in _named_tree(top):
+            for name in ("fully_shard", "replicate"):
+                if name in torch_registry(module):
+                    raise IncompatibleAPIError(
+                        f"torchcontract.apis.fully_shard.fully_shard cannot be combined with "
+                        f"torch's {name}, applied after it on {type(module).__qualname__} "
+                        f"{fqn!r} inside {module_label(top)} (found at the first forward); "
+                        "apply only one of them to this part of the model"
+                    )
 
 
 class _PostBackward(torch.autograd.Function):

@@ -70,6 +70,8 @@ class ManagedParameter:
         self.sharded = nn.Parameter(sharded, requires_grad=parameter.requires_grad)
         self._gathered: Tensor | None = None
         self.unsharded: nn.Parameter | None = None
+        # Gradients kept unreduced (no_sync) in the reduce dtype, when it differs.
+        self._accumulated: Tensor | None = None
 
     # ----------------------------------------------------------------- placement
 
@@ -123,12 +125,33 @@ class ManagedParameter:
     # ----------------------------------------------------------------- gradients
 
     def take_unsharded_grad(self) -> Tensor | None:
-        """The unsharded gradient autograd accumulated, detached from the parameter."""
+        """The unsharded gradient accumulated since the last reduction, taken off the parameter."""
+        grad = None
+        if self.unsharded is not None:
+            grad, self.unsharded.grad = self.unsharded.grad, None
+        accumulated, self._accumulated = self._accumulated, None
+        if accumulated is None:
+            return grad
+        if grad is not None:
+            accumulated.add_(grad)
+        return accumulated
+
+    def keep_unsharded_grad(self, reduce_dtype: torch.dtype | None) -> None:
+        """Keep the gradient for a later reduction, in ``reduce_dtype`` if that differs.
+
+        As FSDP2 does without gradient sync: gradients of several backwards add up
+        in the reduce dtype, not in the (lower) parameter dtype.
+        """
         if self.unsharded is None or self.unsharded.grad is None:
-            return None
+            return
         grad = self.unsharded.grad
+        if reduce_dtype is None or grad.dtype == reduce_dtype:
+            return  # autograd keeps adding to it
         self.unsharded.grad = None
-        return grad
+        if self._accumulated is None:
+            self._accumulated = grad.to(reduce_dtype)
+        else:
+            self._accumulated.add_(grad)
 
     def scatter_input(self, grad: Tensor, dtype: torch.dtype) -> Tensor:
         """``grad`` padded to ``world * chunk_rows`` rows, as ``(world, padded_shard_numel)``."""
