@@ -556,6 +556,13 @@ def test_variants_match_torch_fully_shard(ranks: list[Results], scenario: str) -
         assert parameter_gap <= TOLERANCE
 
 
+def test_mixed_precision_runs_in_bfloat16(ranks: list[Results]) -> None:
+    """The bfloat16 losses are not the float32 ones (same model, same first batch)."""
+    for mixed, full in zip(_each(ranks, "mixed"), _each(ranks, "adam"), strict=True):
+        assert mixed[0][0][0] != full[0][0][0]
+        assert abs(mixed[0][0][0] - full[0][0][0]) < 0.1
+
+
 # ----------------------------------------------------------------- layout and record
 
 
