@@ -377,7 +377,48 @@ def _bad_input_messages(mesh: DeviceMesh, world_size: int) -> dict[str, str | bo
         fully_shard(model.blocks[0], mesh=mesh)
     except AlreadyManagedError as error:
         found["managed"] = f"{type(error).__name__}: {error}"
+
+    model = gpt()
+    fully_shard(model.head, mesh=mesh)  # the head's weight is the embedding's
+    try:
+        fully_shard(model, mesh=mesh)
+    except AlreadyManagedError as error:
+        found["tied"] = f"{type(error).__name__}: {error}"
+
+    model = gpt()
+    model.blocks[1].register_parameter("scale", nn.Parameter(torch.tensor(1.0)))
+    before = list(model.parameters())
+    try:
+        fully_shard(model, mesh=mesh)
+    except ContractError as error:
+        found["scalar"] = f"{type(error).__name__}: {error}"
+    found["scalar_untouched"] = all(
+        a is b for a, b in zip(model.parameters(), before, strict=True)
+    ) and not fully_shard.is_applied(model)
     return found
+
+
+def _state_dict_after_forward(rank: int, mesh: DeviceMesh) -> tuple[bool, bool, float, float]:
+    """state_dict() and load_state_dict() see the shards even while the root is unsharded."""
+    model = _shard_ours(gpt(), mesh)
+    torch.manual_seed(5)
+    other = _shard_ours(GPT(), mesh)
+    tokens, targets = batch(rank, 0)
+    with torch.no_grad():
+        model(tokens)  # the root keeps its parameters unsharded after forward
+    root_unsharded = not isinstance(model.norm.weight, DTensor)
+    saved_shards = all(isinstance(value, DTensor) for value in model.state_dict().values())
+    with torch.no_grad():
+        model(tokens)
+    model.load_state_dict(other.state_dict())
+    loaded_gap = largest_gap(full_parameters(model), full_parameters(other))
+    assigned = _shard_ours(gpt(), mesh)
+    assigned.load_state_dict(other.state_dict(), assign=True)
+    with torch.no_grad():
+        loss_gap = abs(
+            loss_on(assigned, tokens, targets).item() - loss_on(other, tokens, targets).item()
+        )
+    return root_unsharded, saved_shards, loaded_gap, loss_gap
 
 
 def _freed_after_training(rank: int, mesh: DeviceMesh) -> tuple[bool, bool]:
@@ -490,6 +531,7 @@ def _job(rank: int, world_size: int, directory: str) -> Results:
     results["no_sync"] = _no_sync(rank, mesh)
     results["no_sync_mixed"] = _no_sync(rank, mesh, mixed=True)
     results["rolled_back"] = _rolled_back(rank, mesh)
+    results["state_dict"] = _state_dict_after_forward(rank, mesh)
     results["unshard"] = _unshard_and_reshard(mesh)
     results["checkpointed"] = _checkpointed_gap(rank, mesh)
     results["rules"] = _rule_messages(rank, mesh)
@@ -679,6 +721,24 @@ def test_bad_input_is_refused_naming_the_module_and_changing_nothing(
         assert found["dtensor_untouched"]
         assert found["managed"].startswith("AlreadyManagedError: fully_shard on Block")
         assert "already managed by fully_shard on GPT" in found["managed"]
+        assert found["tied"].startswith(
+            "AlreadyManagedError: fully_shard on GPT: parameter 'embed.weight' is shared with a "
+            "module of fully_shard on Linear 'head' of GPT"
+        )
+        assert found["scalar"].startswith(
+            "ContractError: fully_shard on GPT: parameter 'blocks.1.scale' is a scalar (0-d)"
+        )
+        assert found["scalar_untouched"]
+
+
+def test_state_dict_and_load_see_the_shards_while_the_root_is_unsharded(
+    ranks: list[Results],
+) -> None:
+    for root_unsharded, saved_shards, loaded_gap, loss_gap in _each(ranks, "state_dict"):
+        assert root_unsharded
+        assert saved_shards
+        assert loaded_gap == 0.0
+        assert loss_gap == 0.0
 
 
 # ----------------------------------------------------------------- checkpoints

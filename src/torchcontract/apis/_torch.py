@@ -13,7 +13,7 @@ from typing import Any, Final, cast
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils.hooks import RemovableHandle
 
@@ -32,7 +32,10 @@ __all__ = [
     "manual_seed",
     "optimizer_step",
     "reduce_scatter_average",
+    "register_load_state_dict_post_hook",
+    "register_load_state_dict_pre_hook",
     "register_post_accumulate_grad_hook",
+    "register_state_dict_pre_hook",
     "register_tensor_hook",
     "set_device_states",
     "to_bools",
@@ -149,4 +152,29 @@ def register_tensor_hook(
     register = cast(
         Callable[[Callable[[Tensor], Tensor | None]], RemovableHandle], tensor.register_hook
     )
+    return register(hook)
+
+
+_RegisterHook = Callable[[Callable[..., None]], RemovableHandle]
+
+
+def register_state_dict_pre_hook(module: nn.Module, hook: Callable[..., None]) -> RemovableHandle:
+    """Call ``hook(module, prefix, keep_vars)`` before ``module.state_dict()`` reads it."""
+    register = cast(_RegisterHook, module.register_state_dict_pre_hook)
+    return register(hook)
+
+
+def register_load_state_dict_pre_hook(
+    module: nn.Module, hook: Callable[..., None]
+) -> RemovableHandle:
+    """Call ``hook(module, state_dict, prefix, ...)`` before ``load_state_dict`` writes it."""
+    register = cast(_RegisterHook, module.register_load_state_dict_pre_hook)
+    return register(hook)
+
+
+def register_load_state_dict_post_hook(
+    module: nn.Module, hook: Callable[..., None]
+) -> RemovableHandle:
+    """Call ``hook(module, incompatible_keys)`` after ``load_state_dict`` wrote ``module``."""
+    register = cast(_RegisterHook, module.register_load_state_dict_post_hook)
     return register(hook)

@@ -36,6 +36,7 @@ from ._group import ALL_GROUPS, ParamGroup
 from ._hooks import ForwardHooks
 from ._sharding import Location, ManagedParameter
 from ._state import FullyShardState
+from ._state_dict import register_state_dict_hooks
 
 __all__ = ["fully_shard", "fully_shard_no_sync", "reshard", "unshard"]
 
@@ -59,31 +60,35 @@ def _default_mesh(module: nn.Module) -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
-def _managers() -> dict[int, ParamGroup]:
-    """Every parameter object a live group manages or managed, by id: which group it is."""
-    found: dict[int, ParamGroup] = {}
+def _managers() -> dict[int, tuple[ParamGroup, bool]]:
+    """Every parameter object a live group manages, by id: the group, and whether it is the
+    original parameter (left in place only where the group's modules do not reach)."""
+    found: dict[int, tuple[ParamGroup, bool]] = {}
     for group in list(ALL_GROUPS):
         for parameter in group.parameters:
-            found[id(parameter.sharded)] = group
+            found[id(parameter.sharded)] = (group, False)
             if parameter.unsharded is not None:
-                found[id(parameter.unsharded)] = group
+                found[id(parameter.unsharded)] = (group, False)
             if (original := parameter.original()) is not None:
-                found[id(original)] = group
+                found[id(original)] = (group, True)
     return found
 
 
-def _inside(targets: Sequence[nn.Module]) -> set[int]:
-    return {id(module) for target in targets for module in target.modules()}
+def _owner(group: ParamGroup) -> str:
+    modules = group.modules()
+    return module_label(modules[0]) if modules else "a freed module"
 
 
 def _find_parameters(targets: Sequence[nn.Module]) -> list[_Found]:
     """The parameters under ``targets`` that no nested application manages, validated.
 
-    Raises ``AlreadyManagedError`` for a parameter managed by an application not
-    nested in the targets, or already a DTensor; ``ContractError`` for a 0-d one.
+    Raises ``AlreadyManagedError`` for a parameter another application manages
+    (one not nested in the targets, or a nested one that does not reach every
+    module sharing the parameter) or that is already a DTensor; ``ContractError``
+    for a 0-d one. Reads only: nothing is changed.
     """
     managers = _managers()
-    inside = _inside(targets)
+    inside = {id(module) for target in targets for module in target.modules()}
     found: dict[int, _Found] = {}
     for target in targets:
         for prefix, module in _named_tree(target):
@@ -91,34 +96,34 @@ def _find_parameters(targets: Sequence[nn.Module]) -> list[_Found]:
                 if parameter is None:
                     continue
                 fqn = f"{prefix}.{name}" if prefix else name
-                manager = managers.get(id(parameter))
+                where = f"fully_shard on {module_label(target)}: parameter {fqn!r}"
+                manager, original = managers.get(id(parameter), (None, False))
                 if manager is not None:
-                    if any(id(m) in inside for m in manager.modules()):
-                        continue  # a nested application manages it
-                    owner = manager.modules()
-                    raise AlreadyManagedError(
-                        f"fully_shard on {module_label(target)}: parameter {fqn!r} is already "
-                        f"managed by fully_shard on "
-                        f"{module_label(owner[0]) if owner else 'a freed module'}; apply "
-                        "fully_shard to the inner modules first, then to a module containing "
-                        "every module that shares the parameter"
-                    )
+                    if original:
+                        raise AlreadyManagedError(
+                            f"{where} is shared with a module of fully_shard on "
+                            f"{_owner(manager)}, which manages it but does not contain this "
+                            "module; apply fully_shard to a module containing every module "
+                            "that shares the parameter"
+                        )
+                    if not any(id(other) in inside for other in manager.modules()):
+                        raise AlreadyManagedError(
+                            f"{where} is already managed by fully_shard on {_owner(manager)}; "
+                            "apply fully_shard to the inner modules first, then to the outer"
+                        )
+                    continue  # a nested application manages it
                 if isinstance(parameter, DTensor):
                     raise AlreadyManagedError(
-                        f"fully_shard on {module_label(target)}: parameter {fqn!r} is already a "
-                        "DTensor; fully_shard shards plain tensors only (no tensor parallelism "
-                        "yet): pass a module with regular parameters"
+                        f"{where} is already a DTensor; fully_shard shards plain tensors only "
+                        "(no tensor parallelism yet): pass a module with regular parameters"
                     )
                 if parameter.dim() == 0:
                     raise ContractError(
-                        f"fully_shard on {module_label(target)}: parameter {fqn!r} is a scalar "
-                        "(0-d), which cannot be sharded on dim 0; reshape it to one element"
+                        f"{where} is a scalar (0-d), which cannot be sharded on dim 0; "
+                        "reshape it to one element"
                     )
-                entry = found.get(id(parameter))
-                if entry is None:
-                    found[id(parameter)] = _Found(fqn, parameter, [(weakref.ref(module), name)])
-                else:
-                    entry.locations.append((weakref.ref(module), name))
+                entry = found.setdefault(id(parameter), _Found(fqn, parameter, []))
+                entry.locations.append((weakref.ref(module), name))
     return list(found.values())
 
 
@@ -185,6 +190,7 @@ def fully_shard(
     for target in targets:
         handles.append(target.register_forward_pre_hook(hooks.before, with_kwargs=True))
         handles.append(target.register_forward_hook(hooks.after))
+    handles.extend(register_state_dict_hooks(group, targets))
     ALL_GROUPS.add(group)
     journal_undo(_Undo(group, [item.parameter for item in found], handles))
     fully_shard.update(

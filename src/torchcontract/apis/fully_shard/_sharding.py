@@ -82,6 +82,22 @@ class ManagedParameter:
             if module is not None:
                 module._parameters[name] = parameter
 
+    def adopt_registered(self) -> None:
+        """Take as the shard a new sharded parameter registered in place of ours (a load).
+
+        Loading with ``assign=True`` replaces parameter objects; the group must
+        gather the new ones. Anything else registered there is left alone.
+        """
+        module = self.locations[0][0]()
+        if module is None:
+            return
+        current = module._parameters.get(self.locations[0][1])
+        if current is None or current is self.sharded or current is self.unsharded:
+            return
+        if isinstance(current, DTensor) and current.shape == self.shape:
+            self.sharded = current
+            self.install(current)
+
     def local_shard(self) -> Tensor:
         """This rank's rows of the sharded parameter (no autograd)."""
         with torch.no_grad():
