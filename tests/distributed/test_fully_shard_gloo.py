@@ -7,6 +7,7 @@ returns what each rank measured; each test asserts one behaviour on those result
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import weakref
 from collections.abc import Callable, Iterator
@@ -398,6 +399,20 @@ def _bad_input_messages(mesh: DeviceMesh, world_size: int) -> dict[str, str | bo
     return found
 
 
+def _deep_copy(rank: int, mesh: DeviceMesh) -> tuple[float, bool, float]:
+    """A deep copy holds the same shards and inert hooks; the original keeps training."""
+    model, twin = _shard_ours(gpt(), mesh), _shard_ours(gpt(), mesh)
+    copied = copy.deepcopy(model)
+    gap = largest_gap(full_parameters(copied), full_parameters(model))
+    torch.autograd.backward(loss_on(model, *batch(rank, 0)))
+    torch.autograd.backward(loss_on(twin, *batch(rank, 0)))
+    return (
+        gap,
+        fully_shard.is_applied(copied),
+        largest_gap(full_gradients(model), full_gradients(twin)),
+    )
+
+
 def _state_dict_after_forward(rank: int, mesh: DeviceMesh) -> tuple[bool, bool, float, float]:
     """state_dict() and load_state_dict() see the shards even while the root is unsharded."""
     model = _shard_ours(gpt(), mesh)
@@ -532,6 +547,7 @@ def _job(rank: int, world_size: int, directory: str) -> Results:
     results["no_sync_mixed"] = _no_sync(rank, mesh, mixed=True)
     results["rolled_back"] = _rolled_back(rank, mesh)
     results["state_dict"] = _state_dict_after_forward(rank, mesh)
+    results["deep_copy"] = _deep_copy(rank, mesh)
     results["unshard"] = _unshard_and_reshard(mesh)
     results["checkpointed"] = _checkpointed_gap(rank, mesh)
     results["rules"] = _rule_messages(rank, mesh)
@@ -729,6 +745,13 @@ def test_bad_input_is_refused_naming_the_module_and_changing_nothing(
             "ContractError: fully_shard on GPT: parameter 'blocks.1.scale' is a scalar (0-d)"
         )
         assert found["scalar_untouched"]
+
+
+def test_a_deep_copy_holds_the_shards_and_inert_hooks(ranks: list[Results]) -> None:
+    for parameter_gap, copy_applied, gradient_gap in _each(ranks, "deep_copy"):
+        assert parameter_gap == 0.0
+        assert not copy_applied
+        assert gradient_gap == 0.0
 
 
 def test_state_dict_and_load_see_the_shards_while_the_root_is_unsharded(

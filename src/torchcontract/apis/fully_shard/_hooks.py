@@ -27,7 +27,7 @@ from .. import _torch
 from ._group import ALL_GROUPS, ParamGroup, Phase, Root
 from ._state import FullyShardState
 
-__all__ = ["ForwardHooks"]
+__all__ = ["ForwardHooks", "InertHooks"]
 
 _Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -40,6 +40,11 @@ class ForwardHooks:
     def __init__(self, group: ParamGroup, param_dtype: torch.dtype | None) -> None:
         self.group = group
         self.param_dtype = param_dtype
+
+    def __reduce__(self) -> tuple[type[InertHooks], tuple[()]]:
+        # A deep copy or pickle of the model gets hooks that do nothing: the copy's
+        # parameters are its own, and the group (a process group) does not copy.
+        return InertHooks, ()
 
     def _acts_on(self, module: nn.Module) -> bool:
         # A deep copy inherits these hooks; they act only for the modules applied to.
@@ -95,6 +100,22 @@ class ForwardHooks:
         ]
         args, kwargs = pytree.tree_unflatten(cast_leaves, spec)
         return cast(tuple[Any, ...], args), cast(dict[str, Any], kwargs)
+
+
+class InertHooks:
+    """What the hooks of ``fully_shard`` become in a copy of the model: no-ops."""
+
+    def before(self, *args: object) -> None:
+        return None
+
+    def after(self, *args: object) -> None:
+        return None
+
+    def reshard(self, *args: object) -> None:
+        return None
+
+    def adopt(self, *args: object) -> None:
+        return None
 
 
 def _in_backward() -> bool:

@@ -16,6 +16,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import _torch
 from ._group import ParamGroup
+from ._hooks import InertHooks
 
 __all__ = ["register_state_dict_hooks"]
 
@@ -27,6 +28,9 @@ class _StateDictHooks:
 
     def __init__(self, group: ParamGroup) -> None:
         self.group = group
+
+    def __reduce__(self) -> tuple[type[InertHooks], tuple[()]]:
+        return InertHooks, ()
 
     def reshard(self, module: nn.Module, *args: object) -> None:
         if id(module) in self.group.module_ids and self.group.record() is not None:
