@@ -9,7 +9,7 @@ directive below), so a line marked as an error that stops being one fails the ch
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import assert_type
+from typing import Any, assert_type
 
 import torch
 from torch import nn
@@ -21,9 +21,13 @@ from torchcontract.apis import FullyShardState, fully_shard, fully_shard_no_sync
 model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
 mesh: DeviceMesh = DeviceMesh("cpu", [0])
 
-# A call returns the module, or the list of modules, it was given.
-assert_type(fully_shard(model), nn.Module | list[nn.Module])
-assert_type(fully_shard([model[0], model[1]], mesh=mesh), nn.Module | list[nn.Module])
+# A call returns the module, or the list of modules, it was given, with its type.
+linear = nn.Linear(2, 2)
+assert_type(fully_shard(model), nn.Sequential)
+assert_type(fully_shard(linear, mesh=mesh), nn.Linear)
+assert_type(fully_shard([linear, nn.Linear(2, 2)], mesh=mesh), list[nn.Linear])
+modules: list[nn.Module] = [linear, model]
+assert_type(fully_shard(modules, mesh=mesh), list[nn.Module])
 assert_type(
     fully_shard(
         model,
@@ -32,19 +36,20 @@ assert_type(
         param_dtype=torch.bfloat16,
         reduce_dtype=torch.float32,
     ),
-    nn.Module | list[nn.Module],
+    nn.Sequential,
 )
-api: Contract[..., nn.Module | list[nn.Module], FullyShardState] = fully_shard
+# It is the contract: rules, state access and testing helpers take it as one.
+api: Contract[..., Any, FullyShardState] = fully_shard
 
 # Options are keyword-only and typed.
-fully_shard(model, mesh)  # type: ignore[call-arg]
-fully_shard(model, mesh="cpu")  # type: ignore[arg-type]
-fully_shard(model, param_dtype="bfloat16")  # type: ignore[arg-type]
-fully_shard(model, reduce_dtype=32)  # type: ignore[arg-type]
-fully_shard(model, reshard_after_forward=None)  # type: ignore[arg-type]
-fully_shard(model, process_group=None)  # type: ignore[call-arg]
-fully_shard((model, model))  # type: ignore[arg-type]
-fully_shard("model")  # type: ignore[arg-type]
+fully_shard(model, mesh)  # type: ignore[call-overload]
+fully_shard(model, mesh="cpu")  # type: ignore[call-overload]
+fully_shard(model, param_dtype="bfloat16")  # type: ignore[call-overload]
+fully_shard(model, reduce_dtype=32)  # type: ignore[call-overload]
+fully_shard(model, reshard_after_forward=None)  # type: ignore[call-overload]
+fully_shard(model, process_group=None)  # type: ignore[call-overload]
+fully_shard((model, model))  # type: ignore[call-overload]
+fully_shard("model")  # type: ignore[call-overload]
 
 # The record is typed field by field, and frozen.
 record = fully_shard.state(model)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 import attrs
 import torch
@@ -23,6 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from torchcontract import (
     AlreadyManagedError,
+    Contract,
     ContractError,
     Incompatible,
     InvalidMeshError,
@@ -127,6 +129,48 @@ def _find_parameters(targets: Sequence[nn.Module]) -> list[_Found]:
     return list(found.values())
 
 
+_M = TypeVar("_M", bound=nn.Module)
+
+if TYPE_CHECKING:
+
+    class FullyShardAPI(Contract[..., Any, FullyShardState]):
+        """The static type of ``fully_shard``: a call returns exactly what it was given.
+
+        ``contract()`` types a call's result from the function's annotation
+        (``nn.Module | list[nn.Module]``); these overloads keep the caller's type.
+        """
+
+        @overload
+        def __call__(
+            self,
+            module: _M,
+            /,
+            *,
+            mesh: DeviceMesh | None = ...,
+            reshard_after_forward: bool = ...,
+            param_dtype: torch.dtype | None = ...,
+            reduce_dtype: torch.dtype | None = ...,
+        ) -> _M: ...
+        @overload
+        def __call__(
+            self,
+            module: list[_M],
+            /,
+            *,
+            mesh: DeviceMesh | None = ...,
+            reshard_after_forward: bool = ...,
+            param_dtype: torch.dtype | None = ...,
+            reduce_dtype: torch.dtype | None = ...,
+        ) -> list[_M]: ...
+        def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def _typed(api: Contract[..., Any, FullyShardState]) -> FullyShardAPI:
+    """``api`` as the ``FullyShardAPI`` it is (a cast: the object is the contract itself)."""
+    return cast("FullyShardAPI", api)
+
+
+@_typed
 @contract(
     FullyShardState,
     incompatible_with=(
