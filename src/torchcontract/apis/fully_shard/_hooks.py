@@ -52,7 +52,7 @@ class ForwardHooks:
 
     def before(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    ) -> _Inputs | None:
         """Forward pre-hook: gather the parameters; wrap the inputs for the post-backward."""
         if not self._acts_on(module):
             return None
@@ -87,9 +87,8 @@ class ForwardHooks:
                     _torch.register_tensor_hook(leaf, group.pre_backward)
         return None
 
-    def _cast(
-        self, tree: tuple[tuple[Any, ...], dict[str, Any]]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def _cast(self, tree: _Inputs) -> _Inputs:
+        """Cast floating tensors among the inputs to ``param_dtype``, as FSDP2 does by default."""
         dtype = self.param_dtype
         if dtype is None:
             return tree
