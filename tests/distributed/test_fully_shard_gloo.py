@@ -79,9 +79,12 @@ def _sgd(parameters: Iterator[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 def _shard_ours(model: GPT, mesh: DeviceMesh, grouped: bool = False, **options: Any) -> GPT:
-    """Ours on each block (or on all blocks as one group), then on the root."""
+    """Ours on each block (or on all blocks as one group), then on the root.
+
+    The group's list also names a module inside a block: the block holds the group.
+    """
     if grouped:
-        fully_shard(list(model.blocks), mesh=mesh, **options)
+        fully_shard([*model.blocks, model.blocks[0].get_submodule("up")], mesh=mesh, **options)
     else:
         for block in model.blocks:
             fully_shard(block, mesh=mesh, **options)

@@ -30,6 +30,7 @@ from torchcontract import (
     InvalidMeshError,
     contract,
 )
+from torchcontract._contract import root_modules
 from torchcontract._describe import _named_tree, module_label
 from torchcontract._transaction import journal_undo
 
@@ -205,7 +206,9 @@ def fully_shard(
     a parameter another application manages or that is already a DTensor,
     ``ContractError`` without a process group; nothing is changed then.
     """
-    targets: list[nn.Module] = [module] if isinstance(module, nn.Module) else list(module)
+    # A list's modules nested in one another: the outer ones hold the group, as the
+    # contract's targets (hooks on an inner one would reshard in the outer's forward).
+    targets = [module] if isinstance(module, nn.Module) else root_modules(module)
     mesh = _default_mesh(targets[0]) if mesh is None else mesh
     if mesh.ndim != 1:
         raise InvalidMeshError(
