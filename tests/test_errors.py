@@ -11,10 +11,12 @@ from torch import nn
 import torchcontract
 from torchcontract import (
     AlreadyAppliedError,
+    AlreadyManagedError,
     ContractError,
     CyclicModuleTreeError,
     FQNChangedError,
     IncompatibleAPIError,
+    InvalidMeshError,
     InvalidRecordError,
     InvalidResultError,
     InvalidStateClassError,
@@ -29,6 +31,8 @@ from torchcontract import (
     [
         (ContractError, (RuntimeError,)),
         (AlreadyAppliedError, (ContractError,)),
+        (AlreadyManagedError, (ContractError,)),
+        (InvalidMeshError, (ContractError, ValueError)),
         (NotAppliedError, (ContractError, LookupError)),
         (FQNChangedError, (ContractError,)),
         (CyclicModuleTreeError, (ContractError,)),
@@ -48,10 +52,12 @@ def test_every_error_is_exported() -> None:
     assert sorted(errors) == sorted(
         [
             "AlreadyAppliedError",
+            "AlreadyManagedError",
             "ContractError",
             "CyclicModuleTreeError",
             "FQNChangedError",
             "IncompatibleAPIError",
+            "InvalidMeshError",
             "InvalidRecordError",
             "InvalidResultError",
             "InvalidStateClassError",

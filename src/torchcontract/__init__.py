@@ -6,10 +6,12 @@ from ._contract import Application, Contract, EmptyState, contract
 from ._describe import describe
 from ._errors import (
     AlreadyAppliedError,
+    AlreadyManagedError,
     ContractError,
     CyclicModuleTreeError,
     FQNChangedError,
     IncompatibleAPIError,
+    InvalidMeshError,
     InvalidRecordError,
     InvalidResultError,
     InvalidStateClassError,
@@ -22,6 +24,7 @@ from ._store import StateStore
 
 __all__ = [
     "AlreadyAppliedError",
+    "AlreadyManagedError",
     "Application",
     "Contract",
     "ContractError",
@@ -31,6 +34,7 @@ __all__ = [
     "FQNSnapshot",
     "Incompatible",
     "IncompatibleAPIError",
+    "InvalidMeshError",
     "InvalidRecordError",
     "InvalidResultError",
     "InvalidStateClassError",

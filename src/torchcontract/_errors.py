@@ -8,10 +8,12 @@ from __future__ import annotations
 
 __all__ = [
     "AlreadyAppliedError",
+    "AlreadyManagedError",
     "ContractError",
     "CyclicModuleTreeError",
     "FQNChangedError",
     "IncompatibleAPIError",
+    "InvalidMeshError",
     "InvalidRecordError",
     "InvalidResultError",
     "InvalidStateClassError",
@@ -38,6 +40,14 @@ class CyclicModuleTreeError(ContractError):
 
 class FQNChangedError(ContractError):
     """The API function changed a parameter, buffer or module FQN, or their order."""
+
+
+class AlreadyManagedError(ContractError):
+    """A parameter is already sharded: another application manages it, or it is a DTensor."""
+
+
+class InvalidMeshError(ContractError, ValueError):
+    """The device mesh given to an API does not have the shape the API needs."""
 
 
 class IncompatibleAPIError(ContractError):

@@ -376,5 +376,7 @@ def test_nonpositive_bucket_cap_is_rejected() -> None:
 
 def test_no_sync_without_replicate_raises_not_applied() -> None:
     context = no_sync(_net())
-    with pytest.raises(NotAppliedError, match=r"replicate\.replicate is not applied to Net"):
+    with pytest.raises(
+        NotAppliedError, match=r"no_sync: neither replicate nor fully_shard is applied to Net"
+    ):
         context.__enter__()

@@ -1,8 +1,20 @@
-"""Composable APIs built on the contract: data parallelism and activation checkpointing."""
+"""Composable APIs on the contract: data parallelism, sharding, activation checkpointing."""
 
 from __future__ import annotations
 
+from ._no_sync import no_sync
 from .checkpoint import CheckpointState, checkpoint
-from .replicate import ReplicateState, no_sync, replicate
+from .fully_shard import FullyShardState, fully_shard, reshard, unshard
+from .replicate import ReplicateState, replicate
 
-__all__ = ["CheckpointState", "ReplicateState", "checkpoint", "no_sync", "replicate"]
+__all__ = [
+    "CheckpointState",
+    "FullyShardState",
+    "ReplicateState",
+    "checkpoint",
+    "fully_shard",
+    "no_sync",
+    "replicate",
+    "reshard",
+    "unshard",
+]

@@ -13,13 +13,14 @@ from typing import Any, Final, cast
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils.hooks import RemovableHandle
 
 from torchcontract import _compat
 
 __all__ = [
+    "all_gather_into",
     "all_gather_objects",
     "all_reduce",
     "all_reduce_blocking",
@@ -34,8 +35,12 @@ __all__ = [
     "manual_seed",
     "optimizer_step",
     "queue_callback",
-    "register_hook",
+    "reduce_scatter_average",
+    "register_load_state_dict_post_hook",
+    "register_load_state_dict_pre_hook",
     "register_post_accumulate_grad_hook",
+    "register_state_dict_pre_hook",
+    "register_tensor_hook",
     "set_device_states",
     "to_bools",
     "to_ints",
@@ -131,12 +136,6 @@ def queue_callback(callback: Callable[[], None]) -> None:
     _queue_callback(callback)
 
 
-def register_hook(tensor: Tensor, hook: Callable[[Tensor], None]) -> RemovableHandle:
-    """Call ``hook(grad)`` when the gradient of ``tensor`` is computed in a backward pass."""
-    register = cast(Callable[[Callable[[Tensor], None]], RemovableHandle], tensor.register_hook)
-    return register(hook)
-
-
 def register_post_accumulate_grad_hook(
     parameter: Tensor, hook: Callable[[Tensor], None]
 ) -> RemovableHandle:
@@ -145,4 +144,56 @@ def register_post_accumulate_grad_hook(
         Callable[[Callable[[Tensor], None]], RemovableHandle],
         parameter.register_post_accumulate_grad_hook,
     )
+    return register(hook)
+
+
+_all_gather_single: Final = cast(Callable[..., dist.Work | None], dist.all_gather_single)
+_reduce_scatter_single: Final = cast(Callable[..., dist.Work | None], dist.reduce_scatter_single)
+
+
+def all_gather_into(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:
+    """Concatenate every rank's ``input`` (same size on all) into ``output``, by rank; wait."""
+    _all_gather_single(output, input, group=group)
+
+
+def reduce_scatter_average(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:
+    """Average ``input`` over ``group`` and keep this rank's slice in ``output``; wait.
+
+    ``input`` holds ``group.size()`` equal slices, one per rank, in rank order.
+    """
+    _reduce_scatter_single(output, input, op=dist.ReduceOp.AVG, group=group)
+
+
+def register_tensor_hook(
+    tensor: Tensor, hook: Callable[[Tensor], Tensor | None]
+) -> RemovableHandle:
+    """Call ``hook(grad)`` when the gradient of ``tensor`` is computed; it may replace it."""
+    register = cast(
+        Callable[[Callable[[Tensor], Tensor | None]], RemovableHandle], tensor.register_hook
+    )
+    return register(hook)
+
+
+_RegisterHook = Callable[[Callable[..., None]], RemovableHandle]
+
+
+def register_state_dict_pre_hook(module: nn.Module, hook: Callable[..., None]) -> RemovableHandle:
+    """Call ``hook(module, prefix, keep_vars)`` before ``module.state_dict()`` reads it."""
+    register = cast(_RegisterHook, module.register_state_dict_pre_hook)
+    return register(hook)
+
+
+def register_load_state_dict_pre_hook(
+    module: nn.Module, hook: Callable[..., None]
+) -> RemovableHandle:
+    """Call ``hook(module, state_dict, prefix, ...)`` before ``load_state_dict`` writes it."""
+    register = cast(_RegisterHook, module.register_load_state_dict_pre_hook)
+    return register(hook)
+
+
+def register_load_state_dict_post_hook(
+    module: nn.Module, hook: Callable[..., None]
+) -> RemovableHandle:
+    """Call ``hook(module, incompatible_keys)`` after ``load_state_dict`` wrote ``module``."""
+    register = cast(_RegisterHook, module.register_load_state_dict_post_hook)
     return register(hook)

@@ -4,12 +4,13 @@ What ``torch.nn.parallel.DistributedDataParallel`` computes, through hooks
 instead of a wrapper module. The frozen record (``ReplicateState``, in
 ``_state``) holds what is fixed or counted; the runtime bookkeeping lives in a
 ``Reducer`` (``_reducer``) that only the hooks hold; ``_buckets`` decides which
-parameters are reduced together; ``_api`` holds the API and ``no_sync``.
+parameters are reduced together; ``_api`` holds the API and its gradient-sync
+switch, which ``torchcontract.apis.no_sync`` calls.
 """
 
 from __future__ import annotations
 
-from ._api import no_sync, replicate
+from ._api import replicate
 from ._state import ReplicateState
 
-__all__ = ["ReplicateState", "no_sync", "replicate"]
+__all__ = ["ReplicateState", "replicate"]

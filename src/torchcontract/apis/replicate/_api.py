@@ -19,7 +19,7 @@ from ._buckets import broadcast_from_first_rank
 from ._reducer import ParameterHook, Reducer
 from ._state import ReplicateState
 
-__all__ = ["no_sync", "replicate"]
+__all__ = ["replicate", "replicate_no_sync"]
 
 _MEGABYTE = 1024 * 1024
 
@@ -141,7 +141,7 @@ def replicate(
 
 
 @contextlib.contextmanager
-def no_sync(module: nn.Module) -> Generator[None]:
+def replicate_no_sync(module: nn.Module) -> Generator[None]:
     """Forwards run within the block build graphs whose backward only accumulates locally.
 
     As ``DistributedDataParallel.no_sync()``: the decision is made at forward

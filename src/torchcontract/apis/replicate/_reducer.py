@@ -145,7 +145,7 @@ class Reducer:
         if tensors:
             armed = _Armed(self)
             for tensor in tensors:
-                _torch.register_hook(tensor, armed)
+                _torch.register_tensor_hook(tensor, armed)
 
     # ------------------------------------------------------------ backward
 

@@ -1,0 +1,208 @@
+"""ParamGroup: the runtime of one ``fully_shard`` application, held only by its hooks.
+
+It owns the application's ``ManagedParameter`` objects and moves them between
+sharded and unsharded; it follows one forward and backward at a time through
+``Phase``. It refers to its modules weakly, so dropping the model frees it: the
+model holds the hooks, the hooks hold the group, nothing holds the model.
+
+Groups under one root share a ``Root``, made when the root's first forward runs
+(PyTorch's lazy init): the root is the first group whose forward runs. The root
+keeps its own parameters unsharded after forward (they would be gathered again
+at once for backward) and queues the callback that ends each backward.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .. import _torch
+from ._collectives import all_gather, reduce_scatter
+from ._sharding import ManagedParameter
+from ._state import FullyShardState
+
+if TYPE_CHECKING:
+    from torchcontract import Contract
+
+__all__ = ["ALL_GROUPS", "ParamGroup", "Phase", "Root"]
+
+
+class Phase(enum.Enum):
+    """Where a group is in the current iteration."""
+
+    IDLE = enum.auto()
+    FORWARD = enum.auto()
+    PRE_BACKWARD = enum.auto()
+    POST_BACKWARD = enum.auto()
+
+
+class Root:
+    """What the groups under one root share across an iteration.
+
+    It holds the groups weakly: each group holds its root, and no cycle may keep
+    the groups' parameters alive once the model is dropped.
+    """
+
+    def __init__(self, groups: Sequence[ParamGroup]) -> None:
+        self._groups = tuple(weakref.ref(group) for group in groups)
+        self.callback_queued = False
+
+    @property
+    def groups(self) -> list[ParamGroup]:
+        return [group for ref in self._groups if (group := ref()) is not None]
+
+    def start_iteration(self) -> None:
+        """At the root's forward: forget a backward that failed before its end callback ran."""
+        if self.callback_queued:
+            self.callback_queued = False
+            for group in self.groups:
+                group.phase = Phase.IDLE
+                group.reduced = False
+
+
+class ParamGroup:
+    """The parameters one ``fully_shard`` call manages, and their sharding over one iteration."""
+
+    def __init__(
+        self,
+        api: Contract[..., Any, FullyShardState],
+        modules: Sequence[nn.Module],
+        parameters: Sequence[ManagedParameter],
+        group: dist.ProcessGroup,
+        *,
+        reshard_after_forward: bool,
+        reduce_dtype: torch.dtype | None,
+    ) -> None:
+        self.api = api
+        self._modules = tuple(weakref.ref(module) for module in modules)
+        self.module_ids = frozenset(id(module) for module in modules)
+        self.parameters = tuple(parameters)
+        self.process_group = group
+        self.reshard_after_forward = reshard_after_forward
+        self.reduce_dtype = reduce_dtype
+        self.unsharded = False
+        self.phase = Phase.IDLE
+        self.root: Root | None = None
+        self.is_root = False
+        self.reduced = False  # whether this backward reduce-scattered gradients
+
+    def modules(self) -> list[nn.Module]:
+        """The group's modules that are still alive."""
+        return [module for ref in self._modules if (module := ref()) is not None]
+
+    def record(self) -> FullyShardState | None:
+        """The record of this application, or None once rolled back (the hooks then stand aside)."""
+        for module in self.modules():
+            return self.api.get_state(module)
+        return None
+
+    def update(self, transition: Callable[[FullyShardState], FullyShardState]) -> None:
+        for module in self.modules():
+            if self.api.is_applied(module):
+                self.api.update(module, transition)
+            return
+
+    # ----------------------------------------------------------------- sharding
+
+    def unshard(self) -> None:
+        """All-gather the parameters and register the unsharded ones (no-op if unsharded)."""
+        if not self.unsharded:
+            all_gather(self.parameters, self.process_group)
+            self.unsharded = True
+
+    def reshard(self) -> None:
+        """Register the sharded parameters again and free the unsharded storage."""
+        if self.unsharded:
+            for parameter in self.parameters:
+                parameter.reshard()
+            self.unsharded = False
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        return self.reshard_after_forward and not self.is_root
+
+    # ----------------------------------------------------------------- backward
+
+    def pre_backward(self, grad: Tensor) -> Tensor:
+        """Hook on the forward's outputs: gather the parameters before the module's backward."""
+        if self.phase is not Phase.PRE_BACKWARD:
+            self.phase = Phase.PRE_BACKWARD
+            self.queue_finish()
+            self.unshard()
+        return grad
+
+    def queue_finish(self) -> None:
+        root = self.root
+        if root is not None and not root.callback_queued:
+            root.callback_queued = True
+            _torch.queue_callback(_Finish(weakref.ref(root)))
+
+    def post_backward(self) -> None:
+        """Once the module's backward is done: reduce-scatter the gradients (or keep them), reshard.
+
+        Safe to call when the group took no part in the backward: it reshards and
+        reduces nothing.
+        """
+        self.phase = Phase.POST_BACKWARD
+        record = self.record()
+        if record is not None and not record.sync_gradients:
+            for parameter in self.parameters:
+                parameter.keep_unsharded_grad(self.reduce_dtype)
+            self.reshard()
+            return
+        pairs = [
+            (parameter, grad)
+            for parameter in self.parameters
+            if (grad := parameter.take_unsharded_grad()) is not None
+        ]
+        self.reshard()
+        if pairs:
+            reduce_scatter(
+                [parameter for parameter, _ in pairs],
+                [grad for _, grad in pairs],
+                self.process_group,
+                self.reduce_dtype,
+            )
+            self.reduced = True
+
+
+def _count_backward(record: FullyShardState) -> FullyShardState:
+    return attrs.evolve(record, backwards=record.backwards + 1)
+
+
+class _Finish:
+    """The callback that ends a backward: late post-backwards, phases reset, records counted."""
+
+    __slots__ = ("_root",)
+
+    def __init__(self, root: weakref.ref[Root]) -> None:
+        self._root = root
+
+    def __call__(self) -> None:
+        root = self._root()
+        if root is None:
+            return
+        try:
+            for group in reversed(root.groups):
+                if group.phase is not Phase.POST_BACKWARD:
+                    # Inputs that need no gradient (token ids) never trigger it.
+                    group.post_backward()
+        finally:
+            root.callback_queued = False
+            for group in root.groups:
+                group.phase = Phase.IDLE
+                if group.reduced:
+                    group.reduced = False
+                    group.update(_count_backward)
+
+
+#: Every live group, for the root to find the groups inside it and for apply to
+#: find who manages a parameter. Weak: a group lives as long as its hooks.
+ALL_GROUPS: weakref.WeakSet[ParamGroup] = weakref.WeakSet()

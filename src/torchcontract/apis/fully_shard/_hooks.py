@@ -1,0 +1,201 @@
+"""The hooks ``fully_shard`` installs: gather before forward, free after, and the backward pair.
+
+Before a module's forward: find the root (first forward only), cast floating
+inputs to ``param_dtype``, all-gather, and pass the inputs that need a gradient
+through ``_PostBackward``, whose backward runs once every gradient with respect
+to them, and so the module's parameter gradients, is computed (PyTorch's
+``RegisterPostBackwardFunction``). After forward: reshard (not the root), and
+hook the outputs so that their gradient gathers the parameters again first.
+A forward run inside backward (a checkpoint recomputing it) only makes sure the
+parameters are gathered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final, cast
+
+import attrs
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from torchcontract import IncompatibleAPIError, torch_registry
+from torchcontract._describe import _named_tree, module_label
+
+from .. import _torch
+from ._group import ALL_GROUPS, ParamGroup, Phase, Root
+from ._state import FullyShardState
+
+__all__ = ["ForwardHooks", "InertHooks"]
+
+_Inputs = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+class ForwardHooks:
+    """The forward pre-hook and forward hook of one application; they hold only its group."""
+
+    __slots__ = ("group", "param_dtype")
+
+    def __init__(self, group: ParamGroup, param_dtype: torch.dtype | None) -> None:
+        self.group = group
+        self.param_dtype = param_dtype
+
+    def __reduce__(self) -> tuple[type[InertHooks], tuple[()]]:
+        # A deep copy or pickle of the model gets hooks that do nothing: the copy's
+        # parameters are its own, and the group (a process group) does not copy.
+        return InertHooks, ()
+
+    def _acts_on(self, module: nn.Module) -> bool:
+        # A deep copy inherits these hooks; they act only for the modules applied to.
+        return id(module) in self.group.module_ids and self.group.record() is not None
+
+    def before(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> _Inputs | None:
+        """Forward pre-hook: gather the parameters; wrap the inputs for the post-backward."""
+        if not self._acts_on(module):
+            return None
+        group = self.group
+        args, kwargs = self._cast((args, kwargs))
+        if _in_backward():  # a checkpoint recomputing the forward: gathered by pre-backward
+            group.unshard()
+            return args, kwargs
+        if group.root is None:
+            _become_root(group)
+        root = group.root
+        if group.is_root and root is not None:
+            root.start_iteration()
+        group.phase = Phase.FORWARD
+        group.unshard()
+        group.update(_count_forward)
+        if torch.is_grad_enabled():
+            args, kwargs = _with_post_backward(group, args, kwargs)
+        return args, kwargs
+
+    def after(self, module: nn.Module, args: tuple[Any, ...], output: object) -> object:
+        """Forward hook: reshard (unless root), hook the outputs for the pre-backward."""
+        if not self._acts_on(module) or _in_backward():
+            return None
+        group = self.group
+        if group.reshards_after_forward:
+            group.reshard()
+        group.phase = Phase.IDLE
+        if torch.is_grad_enabled():
+            for leaf in pytree.tree_leaves(output):
+                if isinstance(leaf, Tensor) and leaf.requires_grad:
+                    _torch.register_tensor_hook(leaf, group.pre_backward)
+        return None
+
+    def _cast(self, tree: _Inputs) -> _Inputs:
+        """Cast floating tensors among the inputs to ``param_dtype``, as FSDP2 does by default."""
+        dtype = self.param_dtype
+        if dtype is None:
+            return tree
+        leaves, spec = pytree.tree_flatten(tree)
+        cast_leaves = [
+            leaf.to(dtype) if isinstance(leaf, Tensor) and leaf.is_floating_point() else leaf
+            for leaf in leaves
+        ]
+        args, kwargs = pytree.tree_unflatten(cast_leaves, spec)
+        return cast(tuple[Any, ...], args), cast(dict[str, Any], kwargs)
+
+
+class InertHooks:
+    """What the hooks of ``fully_shard`` become in a copy of the model: no-ops."""
+
+    def before(self, *args: object) -> None:
+        return None
+
+    def after(self, *args: object) -> None:
+        return None
+
+    def reshard(self, *args: object) -> None:
+        return None
+
+    def adopt(self, *args: object) -> None:
+        return None
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward in this thread (as FSDP2's ``is_bw``)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _count_forward(record: FullyShardState) -> FullyShardState:
+    return attrs.evolve(record, forwards=record.forwards + 1)
+
+
+def _become_root(group: ParamGroup) -> None:
+    """Lazy init: ``group`` runs forward first, so it is the root of the groups inside it."""
+    by_module: dict[int, ParamGroup] = {}
+    for candidate in list(ALL_GROUPS):
+        for module in candidate.modules():
+            by_module[id(module)] = candidate
+    found: list[ParamGroup] = [group]
+    seen = {id(group)}
+    for top in group.modules():
+        for module in top.modules():
+            other = by_module.get(id(module))
+            if other is not None and id(other) not in seen:
+                seen.add(id(other))
+                found.append(other)
+    _check_no_torch_api(group)
+    root = Root(found)
+    for member in found:
+        member.root = root
+        member.is_root = member is group
+
+
+def _check_no_torch_api(group: ParamGroup) -> None:
+    """Refuse torch's ``fully_shard``/``replicate`` applied inside after ours.
+
+    Torch's contract cannot see our rules, so it allowed them; the first forward
+    is the first moment to say so.
+    """
+    for top in group.modules():
+        for fqn, module in _named_tree(top):
+            for name in ("fully_shard", "replicate"):
+                if name in torch_registry(module):
+                    raise IncompatibleAPIError(
+                        f"torchcontract.apis.fully_shard.fully_shard cannot be combined with "
+                        f"torch's {name}, applied after it on {type(module).__qualname__} "
+                        f"{fqn!r} inside {module_label(top)} (found at the first forward); "
+                        "apply only one of them to this part of the model"
+                    )
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the inputs; its backward runs the group's post-backward."""
+
+    @staticmethod
+    def forward(ctx: Any, group: ParamGroup, *inputs: Tensor) -> tuple[Tensor, ...]:
+        ctx.group = group
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        group: ParamGroup = ctx.group
+        group.post_backward()
+        return (None, *grads)
+
+
+_post_backward_apply: Final = cast(Callable[..., tuple[Tensor, ...]], _PostBackward.apply)
+
+
+def _with_post_backward(
+    group: ParamGroup, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    positions = [
+        index
+        for index, leaf in enumerate(leaves)
+        if isinstance(leaf, Tensor) and leaf.requires_grad
+    ]
+    if not positions:
+        return args, kwargs
+    outputs = _post_backward_apply(group, *(leaves[index] for index in positions))
+    for index, tensor in zip(positions, outputs, strict=True):
+        leaves[index] = tensor
+    new_args, new_kwargs = pytree.tree_unflatten(leaves, spec)
+    return cast(tuple[Any, ...], new_args), cast(dict[str, Any], new_kwargs)

@@ -1,0 +1,204 @@
+"""One managed parameter: its dim-0 shard as a DTensor, and the unsharded tensor in forward.
+
+As PyTorch's ``FSDPParam``: rank ``r`` of ``W`` keeps rows
+``[r * c, min((r + 1) * c, d0))`` of dim 0, ``c = ceil(d0 / W)``, the split of
+``torch.chunk`` that ``DTensor``'s ``Shard(0)`` uses (the last ranks may hold
+fewer rows, or none). Collectives move padded shards of ``c`` rows.
+
+The unsharded parameter is one ``nn.Parameter`` per managed parameter, made at
+the first all-gather and kept: autograd's graph refers to it between forward and
+backward. Resharding frees its storage (``resize_(0)``) and unsharding
+reallocates and refills it in place, preserving its version counter, so tensors
+saved for backward stay valid; this is how ``FSDPParam`` does it.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+__all__ = ["Location", "ManagedParameter", "as_dtensor"]
+
+#: Where a parameter is registered: a module (weakly) and the name in its ``_parameters``.
+Location = tuple["weakref.ref[nn.Module]", str]
+
+
+class ManagedParameter:
+    """A parameter sharded on dim 0 over a 1-D mesh, and its unsharded form when gathered."""
+
+    def __init__(
+        self,
+        fqn: str,
+        parameter: nn.Parameter,
+        locations: Sequence[Location],
+        mesh: DeviceMesh,
+        param_dtype: torch.dtype | None,
+    ) -> None:
+        self.fqn = fqn
+        self.original = weakref.ref(parameter)
+        self.locations = tuple(locations)
+        self.mesh = mesh
+        self.world = mesh.size()
+        self.rank = mesh.get_local_rank()
+        self.shape = parameter.shape
+        self.orig_dtype = parameter.dtype
+        floating = parameter.dtype.is_floating_point
+        self.param_dtype = param_dtype if floating and param_dtype is not None else parameter.dtype
+        self.rows = parameter.shape[0]
+        self.row_numel = math.prod(parameter.shape[1:])
+        self.chunk_rows = -(-self.rows // self.world)  # ceil
+        self.local_rows = max(0, min(self.chunk_rows, self.rows - self.rank * self.chunk_rows))
+        self.padded_shard_numel = self.chunk_rows * self.row_numel
+        start = min(self.rank * self.chunk_rows, self.rows)
+        with torch.no_grad():
+            local = parameter.detach().narrow(0, start, self.local_rows).clone()
+            sharded = DTensor.from_local(
+                local,
+                mesh,
+                [Shard(0)],
+                run_check=False,
+                shape=parameter.shape,
+                stride=parameter.stride(),
+            )
+        self.sharded = nn.Parameter(sharded, requires_grad=parameter.requires_grad)
+        self._gathered: Tensor | None = None
+        self.unsharded: nn.Parameter | None = None
+        # Gradients kept unreduced (no_sync) in the reduce dtype, when it differs.
+        self._accumulated: Tensor | None = None
+
+    # ----------------------------------------------------------------- placement
+
+    def install(self, parameter: nn.Parameter) -> None:
+        """Register ``parameter`` under every name this parameter has, bypassing ``__setattr__``."""
+        for module_ref, name in self.locations:
+            module = module_ref()
+            if module is not None:
+                module._parameters[name] = parameter
+
+    def adopt_registered(self) -> None:
+        """Take as the shard a new sharded parameter registered in place of ours (a load).
+
+        Loading with ``assign=True`` replaces parameter objects; the group must
+        gather the new ones. Anything else registered there is left alone.
+        """
+        module = self.locations[0][0]()
+        if module is None:
+            return
+        current = module._parameters.get(self.locations[0][1])
+        if current is None or current is self.sharded or current is self.unsharded:
+            return
+        if isinstance(current, DTensor) and current.shape == self.shape:
+            self.sharded = current
+            self.install(current)
+
+    def local_shard(self) -> Tensor:
+        """This rank's rows of the sharded parameter (no autograd)."""
+        with torch.no_grad():
+            return as_dtensor(self.sharded).to_local()
+
+    # ----------------------------------------------------------------- all-gather
+
+    def gather_input(self) -> Tensor:
+        """This rank's shard, padded to ``chunk_rows`` rows, flat, in the parameter dtype."""
+        local = self.local_shard()
+        padded = torch.zeros(self.padded_shard_numel, dtype=self.param_dtype, device=local.device)
+        padded[: local.numel()].copy_(local.reshape(-1))
+        return padded
+
+    def unshard_from(self, gathered: Tensor) -> None:
+        """Fill the unsharded parameter from its ``(world, padded_shard_numel)`` gathered slice."""
+        if self._gathered is None:
+            self._gathered = torch.empty(
+                self.world * self.padded_shard_numel, dtype=self.param_dtype, device=gathered.device
+            )
+            unsharded = self._gathered[: self.rows * self.row_numel].view(self.shape)
+            self.unsharded = nn.Parameter(unsharded, requires_grad=self.sharded.requires_grad)
+        else:
+            storage = self._gathered.untyped_storage()
+            size = self._gathered.numel() * self._gathered.element_size()
+            if storage.size() != size:
+                storage.resize_(size)
+        assert self.unsharded is not None
+        if self.unsharded.requires_grad != self.sharded.requires_grad:
+            self.unsharded.requires_grad_(self.sharded.requires_grad)
+        with torch.no_grad(), _unsafe_preserve_version_counter(self._gathered):
+            self._gathered.view(self.world, -1).copy_(gathered)
+        self.install(self.unsharded)
+
+    def reshard(self) -> None:
+        """Register the sharded parameter again and free the unsharded storage."""
+        self.install(self.sharded)
+        if self._gathered is not None:
+            self._gathered.untyped_storage().resize_(0)
+
+    # ----------------------------------------------------------------- gradients
+
+    def take_unsharded_grad(self) -> Tensor | None:
+        """The unsharded gradient accumulated since the last reduction, taken off the parameter."""
+        grad = None
+        if self.unsharded is not None:
+            grad, self.unsharded.grad = self.unsharded.grad, None
+        accumulated, self._accumulated = self._accumulated, None
+        if accumulated is None:
+            return grad
+        if grad is not None:
+            accumulated.add_(grad)
+        return accumulated
+
+    def keep_unsharded_grad(self, reduce_dtype: torch.dtype | None) -> None:
+        """Keep the gradient for a later reduction, in ``reduce_dtype`` if that differs.
+
+        As FSDP2 does without gradient sync: gradients of several backwards add up
+        in the reduce dtype, not in the (lower) parameter dtype.
+        """
+        if self.unsharded is None or self.unsharded.grad is None:
+            return
+        grad = self.unsharded.grad
+        if reduce_dtype is None or grad.dtype == reduce_dtype:
+            return  # autograd keeps adding to it
+        self.unsharded.grad = None
+        if self._accumulated is None:
+            self._accumulated = grad.to(reduce_dtype)
+        else:
+            self._accumulated.add_(grad)
+
+    def scatter_input(self, grad: Tensor, dtype: torch.dtype) -> Tensor:
+        """``grad`` padded to ``world * chunk_rows`` rows, as ``(world, padded_shard_numel)``."""
+        padded = torch.zeros(self.world * self.padded_shard_numel, dtype=dtype, device=grad.device)
+        padded[: grad.numel()].copy_(grad.reshape(-1))
+        return padded.view(self.world, self.padded_shard_numel)
+
+    def accumulate_shard_grad(self, reduced: Tensor) -> None:
+        """Add this rank's averaged rows (a padded flat slice) to the sharded ``.grad``."""
+        local = reduced[: self.local_rows * self.row_numel].to(self.orig_dtype, copy=True)
+        local = local.view(self.local_rows, *self.shape[1:])
+        grad = self.sharded.grad
+        with torch.no_grad():
+            if grad is None:
+                self.sharded.grad = DTensor.from_local(
+                    local,
+                    self.mesh,
+                    [Shard(0)],
+                    run_check=False,
+                    shape=self.shape,
+                    stride=self.sharded.stride(),
+                )
+            else:
+                as_dtensor(grad).to_local().add_(local)
+
+
+def as_dtensor(tensor: Tensor) -> DTensor:
+    """``tensor``, typed as the ``DTensor`` it is (a sharded parameter or its gradient)."""
+    if not isinstance(tensor, DTensor):
+        raise TypeError(
+            f"fully_shard: expected a DTensor, got {type(tensor).__qualname__}; a sharded "
+            "parameter or its .grad was replaced by a plain tensor"
+        )
+    return tensor

@@ -1,0 +1,55 @@
+"""State-dict hooks: ``state_dict()`` and ``load_state_dict()`` always see the shards.
+
+Between a root's forward and its backward, or after ``unshard``, the module holds
+the unsharded parameters; saving them would save full plain tensors, and loading
+into them would be lost at the next reshard. As FSDP2 does, the group reshards
+first. After a load that replaced the parameter objects (``assign=True``), the
+group adopts the new shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .. import _torch
+from ._group import ParamGroup
+from ._hooks import InertHooks
+
+__all__ = ["register_state_dict_hooks"]
+
+
+class _StateDictHooks:
+    """The hooks of one application; like the forward hooks, they hold only its group."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: ParamGroup) -> None:
+        self.group = group
+
+    def __reduce__(self) -> tuple[type[InertHooks], tuple[()]]:
+        return InertHooks, ()
+
+    def reshard(self, module: nn.Module, *args: object) -> None:
+        if id(module) in self.group.module_ids and self.group.record() is not None:
+            self.group.reshard()
+
+    def adopt(self, module: nn.Module, *args: object) -> None:
+        if id(module) in self.group.module_ids and self.group.record() is not None:
+            for parameter in self.group.parameters:
+                parameter.adopt_registered()
+
+
+def register_state_dict_hooks(
+    group: ParamGroup, targets: Sequence[nn.Module]
+) -> list[RemovableHandle]:
+    """Install the hooks on every target; return their handles."""
+    hooks = _StateDictHooks(group)
+    handles: list[RemovableHandle] = []
+    for target in targets:
+        handles.append(_torch.register_state_dict_pre_hook(target, hooks.reshard))
+        handles.append(_torch.register_load_state_dict_pre_hook(target, hooks.reshard))
+        handles.append(_torch.register_load_state_dict_post_hook(target, hooks.adopt))
+    return handles
