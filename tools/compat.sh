@@ -33,8 +33,9 @@ for version in $versions; do
   echo "== torch $version: running the tests (log: $log)"
   CI=true "$venv/bin/python" -m pytest -q -p no:cacheprovider tests >"$log" 2>&1
   code=$?
-  result=$(grep -E '^=*.*(passed|failed|error).* in [0-9.]+s' "$log" | tail -n 1 | tr -d '=')
-  summary+=("torch $version ($(date -u +%Y-%m-%d)):${result:- no result, exit $code}")
+  result=$(grep -E '^=*.*(passed|failed|error).* in [0-9.]+s' "$log" | tail -n 1 | tr -d '=' \
+    | sed -e 's/^ *//' -e 's/ *$//')
+  summary+=("torch $version ($(date -u +%Y-%m-%d)): ${result:-no result, exit $code}")
   [ "$code" -eq 0 ] || status=1
 done
 printf '\n'
