@@ -299,6 +299,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         dist.init_process_group("gloo")  # env://, as torchrun sets it up
         try:
             train(dist.get_rank(), dist.get_world_size(), settings)
+            # Tear the group down together: a rank destroying its group while another
+            # still talks to it can abort in gloo's teardown.
+            dist.barrier()
         finally:
             dist.destroy_process_group()
         return
