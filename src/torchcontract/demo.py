@@ -1,12 +1,15 @@
-"""The demo: train a small GPT on N local gloo processes with ``replicate`` and ``checkpoint``.
+"""The demo: train a small GPT on N local gloo processes, replicated, then sharded.
 
     python -m torchcontract.demo [--nproc N] [--steps S]
 
-``replicate`` goes on the whole model and ``checkpoint`` on each transformer
-block. The first step also runs a ``DistributedDataParallel`` copy of the
-model on the same batch and compares gradients. Rank 0 draws a progress bar
-with the loss averaged over ranks, then prints ``describe(model)``, each rank's
-API records and the comparison with DDP.
+First ``replicate`` on the whole model and ``checkpoint`` on each transformer
+block; the first step also runs a ``DistributedDataParallel`` copy of the
+model on the same batch and compares gradients. Then ``fully_shard`` on each
+block and on the root, side by side with PyTorch's own ``fully_shard`` on a
+copy for the first step. For each, rank 0 draws a progress bar with the loss
+averaged over ranks, then prints ``describe(model)``; each rank's API records
+and the comparison with DDP follow the first, the per-rank parameter bytes and
+the comparison of first-step losses with PyTorch's ``fully_shard`` the second.
 
 Launched by ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set), each process joins the
 ``env://`` group torchrun describes and ``--nproc`` is ignored; otherwise the demo
@@ -28,20 +31,33 @@ import attrs
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn import functional
 from torch.nn.parallel import DistributedDataParallel
 
 from torchcontract import describe, registry
-from torchcontract.apis import checkpoint, replicate
+from torchcontract.apis import checkpoint, fully_shard, replicate
 from torchcontract.apis._torch import (
     all_gather_objects,
     all_reduce_blocking,
+    barrier,
     manual_seed,
     optimizer_step,
 )
 from torchcontract.testing import run_distributed
 
-__all__ = ["GPT", "GPTConfig", "Outcome", "Settings", "main", "train"]
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "Outcome",
+    "Settings",
+    "ShardedOutcome",
+    "main",
+    "train",
+    "train_sharded",
+]
 
 
 @attrs.frozen
@@ -273,6 +289,102 @@ def train(rank: int, world_size: int, settings: Settings) -> Outcome:
     return Outcome(losses[0], losses[-1], gap)
 
 
+@attrs.frozen
+class ShardedOutcome:
+    """What one rank saw under ``fully_shard``: losses, the gap to PyTorch's, its bytes."""
+
+    first_loss: float
+    final_loss: float
+    torch_loss_gap: float
+    local_bytes: int
+    full_bytes: int
+
+
+def _local_bytes(model: nn.Module) -> int:
+    """The parameter bytes this rank stores: its shards."""
+    return sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+        for p in model.parameters()
+    )
+
+
+def _compare_first_losses(
+    model: GPT, reference: GPT, tokens: Tensor, targets: Tensor, seed: int
+) -> tuple[Tensor, float]:
+    """Backward one batch through ``model``; its loss and the largest gap to ``reference``'s."""
+    manual_seed(seed)
+    loss = _loss(model, tokens, targets)
+    torch.autograd.backward(loss)
+    manual_seed(seed)
+    theirs = _loss(reference, tokens, targets).detach()
+    difference = torch.tensor([float((loss.detach() - theirs).abs())])
+    all_reduce_blocking(difference, dist.ReduceOp.MAX)
+    return loss.detach(), float(difference)
+
+
+def train_sharded(rank: int, world_size: int, settings: Settings) -> ShardedOutcome:
+    """Train the demo GPT with ``fully_shard`` on each block and the root, on this rank.
+
+    The first step also runs PyTorch's ``fully_shard`` on a copy, on the same batch,
+    and compares the losses. Rank 0 prints the progress bar and the report.
+    """
+    config = settings.config
+    manual_seed(0)
+    model = GPT(config)
+    reference = copy.deepcopy(model)
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block, twin in zip(model.blocks, reference.blocks, strict=True):
+        fully_shard(block, mesh=mesh)
+        torch_fully_shard(twin, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    torch_fully_shard(reference, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate)
+    bar = _ProgressBar(settings.steps) if rank == 0 else None
+    losses: list[float] = []
+
+    tokens, targets = synthetic_batch(config, settings.batch, rank, 0)
+    loss, gap = _compare_first_losses(model, reference, tokens, targets, seed=rank)
+    del reference
+    for step in range(settings.steps):
+        if step > 0:
+            tokens, targets = synthetic_batch(config, settings.batch, rank, step)
+            manual_seed(1_000_000 * rank + step)
+            loss = _loss(model, tokens, targets)
+            torch.autograd.backward(loss)
+        optimizer_step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        mean = loss.detach().clone()
+        all_reduce_blocking(mean)
+        losses.append(float(mean) / world_size)
+        if bar is not None:
+            bar.show(step + 1, losses[-1])
+    local = _local_bytes(model)
+    sizes = all_gather_objects(local)
+    if rank == 0:
+        print(f"\ndescribe(model)  (fully_shard on each block and the root, {world_size} ranks)")
+        print(describe(model))
+        shares = ", ".join(f"rank {index}: {size:,}" for index, size in enumerate(sizes))
+        print(f"\nparameter bytes per rank: {shares} of {full_bytes:,} for the whole model")
+        verdict = "yes" if gap <= 1e-6 else "NO"
+        print(
+            f"first-step losses matched PyTorch's fully_shard: {verdict} "
+            f"(largest difference {gap:.1e} over all ranks, tolerance 1e-6)"
+        )
+    return ShardedOutcome(losses[0], losses[-1], gap, local, full_bytes)
+
+
+def _run_both(rank: int, world_size: int, settings: Settings) -> tuple[Outcome, ShardedOutcome]:
+    """Both phases on this rank: replicated, then sharded."""
+    replicated = train(rank, world_size, settings)
+    if rank == 0:
+        print(
+            f"\nnow fully_shard on each block and the root, for {settings.steps} steps",
+            flush=True,
+        )
+    return replicated, train_sharded(rank, world_size, settings)
+
+
 def _strings(value: object) -> list[str]:
     if isinstance(value, list):
         return [str(item) for item in cast(list[object], value)]
@@ -282,7 +394,8 @@ def _strings(value: object) -> list[str]:
 def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m torchcontract.demo",
-        description="Train a small GPT with replicate and checkpoint on local gloo processes.",
+        description="Train a small GPT with replicate and checkpoint, then with fully_shard, "
+        "on local gloo processes.",
     )
     parser.add_argument("--nproc", type=int, default=2, help="processes to start (default 2)")
     parser.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
@@ -298,10 +411,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")  # env://, as torchrun sets it up
         try:
-            train(dist.get_rank(), dist.get_world_size(), settings)
+            _run_both(dist.get_rank(), dist.get_world_size(), settings)
             # Tear the group down together: a rank destroying its group while another
             # still talks to it can abort in gloo's teardown.
-            dist.barrier()
+            barrier()
         finally:
             dist.destroy_process_group()
         return
@@ -311,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "replicate on the model, checkpoint on each block",
         flush=True,
     )
-    run_distributed(train, arguments.nproc, timeout=600.0, args=(settings,))
+    run_distributed(_run_both, arguments.nproc, timeout=600.0, args=(settings,))
     print(f"\ndone in {time.perf_counter() - started:.1f} s")
 
 

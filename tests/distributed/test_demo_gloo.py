@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from torchcontract.demo import Outcome, Settings, train
+from torchcontract.demo import Outcome, Settings, ShardedOutcome, train, train_sharded
 from torchcontract.testing import run_distributed
 
 REPORT_LINES = (
@@ -21,6 +21,11 @@ REPORT_LINES = (
     "rank 1  replicate   on GPT: gloo rank 1 of 2",
     "rank 1  checkpoint  on blocks.3: use_reentrant=False",
     "gradients matched DistributedDataParallel's on the first step: yes",
+    "describe(model)  (fully_shard on each block and the root, 2 ranks)",
+    "GPT  [fully_shard]",
+    "0-3: Block ×4  [fully_shard]",
+    "parameter bytes per rank: rank 0: 412,416, rank 1: 412,416 of 824,832 for the whole model",
+    "first-step losses matched PyTorch's fully_shard: yes",
 )
 
 
@@ -41,6 +46,26 @@ def test_loss_falls_from_chance_level(outcomes: list[Outcome]) -> None:
 
 def test_ranks_report_the_same_averaged_loss(outcomes: list[Outcome]) -> None:
     assert outcomes[0].final_loss == outcomes[1].final_loss
+
+
+@pytest.fixture(scope="module")
+def sharded() -> list[ShardedOutcome]:
+    return run_distributed(train_sharded, 2, timeout=120.0, args=(Settings(steps=8),))
+
+
+def test_sharded_first_losses_match_torch_fully_shard(sharded: list[ShardedOutcome]) -> None:
+    assert [outcome.torch_loss_gap <= 1e-6 for outcome in sharded] == [True, True]
+
+
+def test_each_rank_stores_half_of_the_parameter_bytes(sharded: list[ShardedOutcome]) -> None:
+    assert sum(outcome.local_bytes for outcome in sharded) == sharded[0].full_bytes
+    assert [outcome.local_bytes for outcome in sharded] == [sharded[0].full_bytes // 2] * 2
+
+
+def test_sharded_loss_falls_and_ranks_agree(sharded: list[ShardedOutcome]) -> None:
+    for outcome in sharded:
+        assert outcome.final_loss < outcome.first_loss - 0.2
+    assert sharded[0].final_loss == sharded[1].final_loss
 
 
 def _run(command: list[str]) -> str:

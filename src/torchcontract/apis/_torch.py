@@ -24,6 +24,7 @@ __all__ = [
     "all_gather_objects",
     "all_reduce",
     "all_reduce_blocking",
+    "barrier",
     "broadcast",
     "checkpoint_generator",
     "checkpoint_is_valid",
@@ -100,6 +101,14 @@ def all_gather_objects(value: object) -> list[object]:
     gathered: list[object] = [None] * dist.get_world_size()
     _all_gather_object(gathered, value)
     return gathered
+
+
+_barrier: Final = cast(Callable[[], object], dist.barrier)
+
+
+def barrier() -> None:
+    """Wait until every rank of the default group reaches this call."""
+    _barrier()
 
 
 def broadcast(tensor: Tensor, source: int, group: dist.ProcessGroup) -> None:
