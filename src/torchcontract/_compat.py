@@ -13,13 +13,26 @@ from collections.abc import Callable, Generator
 from typing import Any, Final, cast
 
 import torch
+import torch.distributed as dist
 from torch.utils import checkpoint as torch_checkpoint
 
-__all__ = ["OLDEST_TESTED", "TORCH_VERSION", "checkpoint_generator"]
+__all__ = [
+    "OLDEST_TESTED",
+    "REFERENCE_FULLY_SHARD_ON_CPU",
+    "TORCH_VERSION",
+    "all_gather_single",
+    "checkpoint_generator",
+    "reduce_scatter_single",
+]
 
 #: ``(major, minor)`` of the running torch.
 TORCH_VERSION: Final = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 OLDEST_TESTED: Final = (2, 6)
+
+#: Whether PyTorch's own ``fully_shard`` (the reference ours is compared with) runs on
+#: CPU with gloo: torch 2.6's fails there (its CPU stream has no ``record_event``);
+#: 2.13 and 2.14 run; the releases between are not tested, so not assumed.
+REFERENCE_FULLY_SHARD_ON_CPU: Final = TORCH_VERSION >= (2, 13)
 
 _generator: Final = cast(
     Callable[..., Generator[None, None, None]],
@@ -46,3 +59,20 @@ def checkpoint_generator(
             fn, preserve_rng_state, context_fn, determinism_check, False, True, *args, **kwargs
         )
     return _generator(fn, preserve_rng_state, context_fn, determinism_check, False, *args, **kwargs)
+
+
+def _first_of(*names: str) -> Callable[..., dist.Work | None]:
+    """The first function of ``names`` that this torch's ``torch.distributed`` has."""
+    for name in names:
+        found: Callable[..., dist.Work | None] | None = getattr(dist, name, None)
+        if found is not None:
+            return found
+    raise ImportError(f"torchcontract: torch {torch.__version__} has none of {names}")
+
+
+# Newer torch renamed all_gather_into_tensor and reduce_scatter_tensor to *_single and
+# deprecated the old names: take the new ones where they exist.
+#: ``(output, input, group=...)``: every rank's ``input`` concatenated into ``output``.
+all_gather_single: Final = _first_of("all_gather_single", "all_gather_into_tensor")
+#: ``(output, input, op=..., group=...)``: ``input`` reduced, this rank's slice in ``output``.
+reduce_scatter_single: Final = _first_of("reduce_scatter_single", "reduce_scatter_tensor")

@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from torchcontract._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.demo import Outcome, Settings, ShardedOutcome, train, train_sharded
 from torchcontract.testing import run_distributed
 
@@ -25,7 +27,9 @@ REPORT_LINES = (
     "GPT  [fully_shard]",
     "0-3: Block ×4  [fully_shard]",
     "parameter bytes per rank: rank 0: 412,416, rank 1: 412,416 of 824,832 for the whole model",
-    "first-step losses matched PyTorch's fully_shard: yes",
+    "first-step losses matched PyTorch's fully_shard: yes"
+    if REFERENCE_FULLY_SHARD_ON_CPU
+    else "first-step losses not compared",
 )
 
 
@@ -53,6 +57,10 @@ def sharded() -> list[ShardedOutcome]:
     return run_distributed(train_sharded, 2, timeout=120.0, args=(Settings(steps=8),))
 
 
+@pytest.mark.skipif(
+    not REFERENCE_FULLY_SHARD_ON_CPU,
+    reason=f"PyTorch's fully_shard, the reference, fails on CPU with torch {torch.__version__}",
+)
 def test_sharded_first_losses_match_torch_fully_shard(sharded: list[ShardedOutcome]) -> None:
     assert [outcome.torch_loss_gap <= 1e-6 for outcome in sharded] == [True, True]
 

@@ -156,8 +156,8 @@ def register_post_accumulate_grad_hook(
     return register(hook)
 
 
-_all_gather_single: Final = cast(Callable[..., dist.Work | None], dist.all_gather_single)
-_reduce_scatter_single: Final = cast(Callable[..., dist.Work | None], dist.reduce_scatter_single)
+_all_gather_single: Final = _compat.all_gather_single
+_reduce_scatter_single: Final = _compat.reduce_scatter_single
 
 
 def all_gather_into(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:
