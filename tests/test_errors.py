@@ -11,6 +11,7 @@ from torch import nn
 import torchcontract
 from torchcontract import (
     AlreadyAppliedError,
+    ArgumentBindingError,
     ContractError,
     CyclicModuleTreeError,
     FQNChangedError,
@@ -20,6 +21,8 @@ from torchcontract import (
     InvalidStateClassError,
     InvalidTargetError,
     NotAppliedError,
+    RulePredicateError,
+    UnknownTorchAPIError,
     contract,
 )
 
@@ -37,6 +40,9 @@ from torchcontract import (
         (InvalidRecordError, (TypeError,)),
         (InvalidResultError, (TypeError,)),
         (InvalidTargetError, (TypeError, ValueError)),
+        (ArgumentBindingError, (ContractError, TypeError)),
+        (RulePredicateError, (ContractError,)),
+        (UnknownTorchAPIError, (ValueError,)),
     ],
 )
 def test_error_has_its_documented_bases(error: type[Exception], bases: tuple[type, ...]) -> None:
@@ -48,6 +54,7 @@ def test_every_error_is_exported() -> None:
     assert sorted(errors) == sorted(
         [
             "AlreadyAppliedError",
+            "ArgumentBindingError",
             "ContractError",
             "CyclicModuleTreeError",
             "FQNChangedError",
@@ -57,6 +64,8 @@ def test_every_error_is_exported() -> None:
             "InvalidStateClassError",
             "InvalidTargetError",
             "NotAppliedError",
+            "RulePredicateError",
+            "UnknownTorchAPIError",
         ]
     )
 

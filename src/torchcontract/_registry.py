@@ -10,19 +10,33 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, get_args
 
 import attrs
 from torch import nn
 
-from ._errors import IncompatibleAPIError
+from ._arguments import FIX_THE_CALL, close_name, parameter_names
+from ._errors import (
+    ArgumentBindingError,
+    IncompatibleAPIError,
+    RulePredicateError,
+    UnknownTorchAPIError,
+)
 from ._fqn import FQNSnapshot, descendants
 from ._store import ModuleTable
 
 if TYPE_CHECKING:
     from ._contract import AnyContract
 
-__all__ = ["REGISTRY", "Incompatible", "RegistryEntry", "check_compatible", "registry"]
+__all__ = [
+    "REGISTRY",
+    "Incompatible",
+    "RegistryEntry",
+    "RuleScope",
+    "TorchAPIName",
+    "check_compatible",
+    "registry",
+]
 
 
 _NO_KWARGS: Mapping[str, Any] = MappingProxyType({})
@@ -75,7 +89,31 @@ def torch_registry(module: nn.Module) -> Mapping[str, object]:
     return MappingProxyType(dict(found) if found is not None else {})
 
 
-Scope = Literal["module", "tree"]
+#: Where a rule forbids the other API: the same module only, or also around and inside it.
+RuleScope = Literal["module", "tree"]
+
+
+#: The names under which torch's composable APIs register in this torch (its ``@contract``
+#: keys an API by its function's name): ``torch.distributed._composable``'s ``checkpoint``
+#: and ``replicate``, and FSDP2's ``fully_shard``.
+TorchAPIName = Literal["checkpoint", "fully_shard", "replicate"]
+TORCH_API_NAMES: Final[tuple[str, ...]] = get_args(TorchAPIName)
+
+
+def _known_torch_name(
+    rule: Incompatible,
+    attribute: attrs.Attribute[AnyContract | TorchAPIName],
+    value: AnyContract | TorchAPIName,
+) -> None:
+    # Checked at run time too: callers that are not type-checked would otherwise get a
+    # rule that silently never fires.
+    if isinstance(value, str) and value not in TORCH_API_NAMES:
+        names = ", ".join(repr(name) for name in TORCH_API_NAMES)
+        raise UnknownTorchAPIError(
+            f"Incompatible({value!r}): torch registers no composable API under that name"
+            f"{close_name(value, list(TORCH_API_NAMES))}; name one of {names}, "
+            "or pass the contract itself"
+        )
 
 
 def _no_torch_when(
@@ -94,45 +132,94 @@ def _no_torch_when(
 class Incompatible:
     """A rule: the declaring API cannot be combined with ``other``.
 
-    ``other`` is a contract, or the name under which a ``torch.distributed._composable``
-    API registers (``"checkpoint"``, ``"replicate"``, ``"fully_shard"``).
+    ``other`` is a contract, or the name under which a torch composable API registers
+    (``TorchAPIName``: ``"checkpoint"``, ``"replicate"``, ``"fully_shard"``; any other
+    name raises ``UnknownTorchAPIError`` here, at decoration).
     ``scope="module"`` forbids both on the same module; ``"tree"`` (default) also on
     a module nested inside or around it. ``when`` narrows the rule to applications
     of ``other`` whose entry it accepts, e.g. ``lambda e: e.arguments["use_reentrant"]``.
     The rule holds in both application orders; it is checked before the API function runs.
+    A predicate that raises is reported as ``RulePredicateError`` naming the rule, or
+    ``ArgumentBindingError`` when the call it reads has arguments the API does not take.
     """
 
-    other: AnyContract | str
-    scope: Scope = "tree"
+    other: AnyContract | TorchAPIName = attrs.field(validator=_known_torch_name)
+    scope: RuleScope = "tree"
     when: Callable[[RegistryEntry], bool] | None = attrs.field(
         default=None, validator=_no_torch_when
     )
 
+    def describe(self) -> str:
+        """The rule as written, for messages: ``Incompatible(mylib.shard, when=reshards)``."""
+        other = repr(self.other) if isinstance(self.other, str) else self.other.name
+        when = "" if self.when is None else f", when={_callable_name(self.when)}"
+        return f"Incompatible({other}{when})"
+
+
+def _callable_name(function: Callable[..., object]) -> str:
+    return str(getattr(function, "__qualname__", type(function).__qualname__))
+
 
 @attrs.frozen
 class _Ban:
-    """What one rule forbids next to a new application: ``other`` where ``accepts`` its entry."""
+    """What one rule forbids next to a new application: ``other`` where ``rule.when`` accepts
+    its entry (``rule`` is None when the rule was already decided)."""
 
-    other: AnyContract | str
-    scope: Scope
-    accepts: Callable[[RegistryEntry], bool] | None
+    other: AnyContract | TorchAPIName
+    scope: RuleScope
+    rule: Incompatible | None
 
 
-def _bans(entry: RegistryEntry) -> list[_Ban]:
+def _bans(entry: RegistryEntry, target: str) -> list[_Ban]:
     """The rules that can fire for ``entry``: its API's own, and others' that name it.
 
     A rule declared by another API narrows on the new application's arguments, so it
-    is decided here, once; only rules that still hold become bans.
+    is decided here, once; only rules that still hold become bans. ``target`` labels
+    the module being applied to, for errors.
     """
     api = entry.api
-    bans = [_Ban(rule.other, rule.scope, rule.when) for rule in api.rules]
+    bans = [_Ban(rule.other, rule.scope, rule) for rule in api.rules]
     for declarer in list(api.ruled_by):
         if not REGISTRY.column(declarer):
             continue  # applied to no live module: its rules cannot fire
         for rule in declarer.rules:
-            if rule.other is api and (rule.when is None or rule.when(entry)):
+            if rule.other is api and _accepts(declarer, rule, entry, target):
                 bans.append(_Ban(declarer, rule.scope, None))
     return bans
+
+
+def _accepts(declarer: AnyContract, rule: Incompatible, entry: RegistryEntry, where: str) -> bool:
+    """Whether ``rule`` (of ``declarer``) holds for ``entry``, the application on ``where``.
+
+    Errors of the predicate become the library's own, naming the rule: a call whose
+    arguments do not bind (``ArgumentBindingError``), a predicate that raised
+    (``RulePredicateError``; a ``KeyError`` names the parameters there are).
+    """
+    if rule.when is None:
+        return True
+    context = f"the rule {rule.describe()} of {declarer.name}"
+    try:
+        return rule.when(entry)
+    except ArgumentBindingError as error:
+        message = str(error).removesuffix(FIX_THE_CALL)
+        raise ArgumentBindingError(
+            f"{message}; {context} reads them (on {where}){FIX_THE_CALL}"
+        ) from None
+    except Exception as error:
+        api = entry.api
+        if isinstance(error, KeyError) and error.args:
+            names = parameter_names(api.signature)
+            key = error.args[0]
+            problem = (
+                f"reads argument {key!r}, which {api.name} does not have"
+                f"{close_name(key, names)}; its parameters are "
+                f"{', '.join(repr(name) for name in names) or 'none but the module'}"
+            )
+        else:
+            problem = f"raised {type(error).__qualname__}: {error}"
+        raise RulePredicateError(
+            f"{context} {problem} (applying {api.name} on {where}); fix the predicate"
+        ) from error
 
 
 def check_compatible(
@@ -147,7 +234,7 @@ def check_compatible(
     Costs nothing for an API no rule concerns, one registry lookup per module inside
     for tree-wide rules, and a walk only of registered ancestors that hold a banned API.
     """
-    bans = _bans(entry)
+    bans = _bans(entry, label(targets[0]))
     if not bans:
         return
     api = entry.api
@@ -167,7 +254,10 @@ def check_compatible(
                     other_name = f"torch's {ban.other}"
                 else:
                     old = REGISTRY.get(module, ban.other)
-                    found = old is not None and (ban.accepts is None or ban.accepts(old))
+                    found = old is not None and (
+                        ban.rule is None
+                        or _accepts(api, ban.rule, old, _name_in(module, relation, snapshot, label))
+                    )
                     other_name = ban.other.name
                 if found:
                     raise _conflict(

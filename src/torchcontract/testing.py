@@ -453,8 +453,8 @@ def _check_registry_and_record(
     record: object = api.state(target)
     if not isinstance(record, api.state_cls):
         raise AssertionError(
-            f"check_api_invariants: {api.name}'s record is a {type(record).__qualname__}, "
-            f"not a {api.state_cls.__qualname__}"
+            f"check_api_invariants: {api.name}'s record is of class "
+            f"{type(record).__qualname__}, not of its state class {api.state_cls.__qualname__}"
         )
     if api.store.records(target).get(api) is not record:
         raise AssertionError(

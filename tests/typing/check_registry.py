@@ -18,6 +18,7 @@ from torchcontract import (
     Incompatible,
     RegistryEntry,
     StateStore,
+    TorchAPIName,
     contract,
     describe,
     registry,
@@ -55,4 +56,15 @@ entries[sharding] = entries[checkpointing]  # type: ignore[index]
 Incompatible(checkpointing, scope="subtree")  # type: ignore[arg-type]
 Incompatible(checkpointing, when=lambda entry: entry.missing)  # type: ignore[attr-defined]
 Incompatible(model)  # type: ignore[arg-type]
+# torch APIs are named by the names torch registers them under; a misspelt one is an error.
+Incompatible("fully_shard")
+Incompatible("checkpiont")  # type: ignore[arg-type]
+name: TorchAPIName = "replicate"
+Incompatible(name, scope="module")
+
+
+def rule_for(unknown: str) -> Incompatible:
+    return Incompatible(unknown)  # type: ignore[arg-type]
+
+
 contract(store={})  # type: ignore[call-overload]
