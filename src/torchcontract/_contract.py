@@ -13,7 +13,7 @@ import functools
 import inspect
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Concatenate, Generic, TypeVar, overload
+from typing import Any, Concatenate, Generic, Self, TypeVar, overload
 
 import attrs
 from torch import nn
@@ -289,6 +289,16 @@ class Contract(Generic[_P, _R_co, _S]):
             return None
         record: _S = cell.record
         return record
+
+    def entry(self, module: nn.Module) -> RegistryEntry[Self]:
+        """The registry entry of this API's application to ``module``, typed by this contract.
+
+        ``NotAppliedError`` if the API is not applied to exactly ``module``.
+        """
+        entry = REGISTRY.get(module, self)
+        if entry is None:
+            raise _not_applied(self.name, module)
+        return entry
 
     def is_applied(self, module: nn.Module) -> bool:
         """Whether this API is applied to exactly ``module``."""

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final, Literal, get_args
+from typing import TYPE_CHECKING, Any, Final, Generic, Literal, get_args, overload
 
 import attrs
 from torch import nn
+from typing_extensions import TypeVar
 
 from ._arguments import FIX_THE_CALL, close_name, parameter_names
 from ._errors import (
@@ -48,28 +49,40 @@ def _read_only(kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
     return MappingProxyType(dict(kwargs)) if kwargs else _NO_KWARGS
 
 
+# The contract an entry records: only read, so an entry of a contract returning
+# nn.Linear is an entry of one returning nn.Module; any contract by default.
+_C_co = TypeVar("_C_co", bound="AnyContract", covariant=True, default="AnyContract")
+
+
 @attrs.frozen(eq=False)
-class RegistryEntry:
+class RegistryEntry(Generic[_C_co]):
     """One application of an API to a module: the API and the arguments it was called with.
 
+    Generic in the contract: ``api.entry(module).api`` is typed as ``api`` itself.
     ``args`` and ``kwargs`` are as passed, without the module; ``arguments`` binds
     them to the API function's signature, defaults included. They are kept as given,
     for as long as the module lives, and not walked: an argument that reaches the
     module (itself, a bound method of it, a closure over it) keeps it alive.
     """
 
-    api: AnyContract
+    api: _C_co
     args: tuple[Any, ...]
     kwargs: Mapping[str, Any] = attrs.field(converter=_read_only)
 
     @property
-    def arguments(self) -> Mapping[str, Any]:
-        """Every parameter but the module, by name, as bound at the call, defaults filled in."""
+    def arguments(self) -> Mapping[str, object]:
+        """Every parameter but the module, by name, as bound at the call, defaults filled in.
+
+        Values are ``object``: narrow them (``isinstance``, ``is True``) before use.
+        ``ArgumentBindingError`` naming the offending keyword if the call's arguments
+        do not fit the API function's signature.
+        """
         return self.api.bind_arguments(self.args, self.kwargs)
 
 
-#: Module -> {api: entry}, in application order.
-REGISTRY: Final[ModuleTable[AnyContract, RegistryEntry]] = ModuleTable()
+#: Module -> {api: entry}, in application order. Every entry in ``api``'s column records
+#: ``api``, which is what lets ``Contract.entry`` hand it out typed by the contract.
+REGISTRY: Final[ModuleTable[AnyContract, RegistryEntry[Any]]] = ModuleTable()
 
 
 def registry(module: nn.Module) -> Mapping[AnyContract, RegistryEntry]:
@@ -100,35 +113,22 @@ TorchAPIName = Literal["checkpoint", "fully_shard", "replicate"]
 TORCH_API_NAMES: Final[tuple[str, ...]] = get_args(TorchAPIName)
 
 
-def _known_torch_name(
-    rule: Incompatible,
-    attribute: attrs.Attribute[AnyContract | TorchAPIName],
-    value: AnyContract | TorchAPIName,
-) -> None:
+def _check_torch_name(other: object) -> None:
     # Checked at run time too: callers that are not type-checked would otherwise get a
     # rule that silently never fires.
-    if isinstance(value, str) and value not in TORCH_API_NAMES:
+    if isinstance(other, str) and other not in TORCH_API_NAMES:
         names = ", ".join(repr(name) for name in TORCH_API_NAMES)
         raise UnknownTorchAPIError(
-            f"Incompatible({value!r}): torch registers no composable API under that name"
-            f"{close_name(value, list(TORCH_API_NAMES))}; name one of {names}, "
+            f"Incompatible({other!r}): torch registers no composable API under that name"
+            f"{close_name(other, list(TORCH_API_NAMES))}; name one of {names}, "
             "or pass the contract itself"
         )
 
 
-def _no_torch_when(
-    rule: Incompatible,
-    attribute: attrs.Attribute[Callable[[RegistryEntry], bool] | None],
-    value: Callable[[RegistryEntry], bool] | None,
-) -> None:
-    if value is not None and isinstance(rule.other, str):
-        raise TypeError(
-            f"Incompatible({rule.other!r}, when=...): torch's registry records no arguments, "
-            "so a rule on a torch API cannot be narrowed; drop when="
-        )
+_C = TypeVar("_C", bound="AnyContract")
 
 
-@attrs.frozen
+@attrs.frozen(init=False)
 class Incompatible:
     """A rule: the declaring API cannot be combined with ``other``.
 
@@ -139,15 +139,44 @@ class Incompatible:
     a module nested inside or around it. ``when`` narrows the rule to applications
     of ``other`` whose entry it accepts, e.g. ``lambda e: e.arguments["use_reentrant"]``.
     The rule holds in both application orders; it is checked before the API function runs.
-    A predicate that raises is reported as ``RulePredicateError`` naming the rule, or
-    ``ArgumentBindingError`` when the call it reads has arguments the API does not take.
+    ``when`` is checked against ``other``: it receives ``RegistryEntry[type of other]``,
+    so ``entry.api`` is typed as ``other``. A predicate that raises is reported as
+    ``RulePredicateError`` naming the rule, or ``ArgumentBindingError`` when the call it
+    reads has arguments the API does not take.
     """
 
-    other: AnyContract | TorchAPIName = attrs.field(validator=_known_torch_name)
-    scope: RuleScope = "tree"
-    when: Callable[[RegistryEntry], bool] | None = attrs.field(
-        default=None, validator=_no_torch_when
-    )
+    other: AnyContract | TorchAPIName
+    scope: RuleScope
+    when: Callable[[RegistryEntry], bool] | None
+
+    # A hand-written __init__, generic in the other contract, so that ``when`` is checked
+    # against (and a lambda's parameter inferred as) that contract's entry, while the
+    # rule itself stays one type: lists of rules of different contracts need no Any.
+    @overload
+    def __init__(self, other: TorchAPIName, scope: RuleScope = "tree") -> None: ...
+    @overload
+    def __init__(
+        self,
+        other: _C,
+        scope: RuleScope = "tree",
+        when: Callable[[RegistryEntry[_C]], bool] | None = None,
+    ) -> None: ...
+    def __init__(
+        self,
+        other: AnyContract | TorchAPIName,
+        scope: RuleScope = "tree",
+        when: Callable[[RegistryEntry[Any]], bool] | None = None,
+    ) -> None:
+        _check_torch_name(other)
+        if when is not None and isinstance(other, str):
+            raise TypeError(
+                f"Incompatible({other!r}, when=...): torch's registry records no arguments, "
+                "so a rule on a torch API cannot be narrowed; drop when="
+            )
+        # Frozen: the fields are set once, here, as attrs' own __init__ would.
+        object.__setattr__(self, "other", other)
+        object.__setattr__(self, "scope", scope)
+        object.__setattr__(self, "when", when)
 
     def describe(self) -> str:
         """The rule as written, for messages: ``Incompatible(mylib.shard, when=reshards)``."""
@@ -218,7 +247,7 @@ def _accepts(declarer: AnyContract, rule: Incompatible, entry: RegistryEntry, wh
         else:
             problem = f"raised {type(error).__qualname__}: {error}"
         raise RulePredicateError(
-            f"{context} {problem} (applying {api.name} on {where}); fix the predicate"
+            f"{context} {problem} (reading {api.name}'s arguments on {where}); fix the predicate"
         ) from error
 
 
