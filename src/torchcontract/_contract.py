@@ -358,10 +358,10 @@ class Contract(Generic[_P, _R_co, _S]):
 
         ``ArgumentBindingError`` naming the offending keyword if they do not fit.
         """
-        return bind_arguments(self.signature, self.name, args, kwargs)
+        return bind_arguments(self._api_signature, self.name, args, kwargs)
 
     @property
-    def signature(self) -> inspect.Signature:
+    def _api_signature(self) -> inspect.Signature:
         """The API function's signature, computed once."""
         if self._signature is None:
             self._signature = inspect.signature(self._func)

@@ -237,7 +237,7 @@ def _accepts(declarer: AnyContract, rule: Incompatible, entry: RegistryEntry, wh
     except Exception as error:
         api = entry.api
         if isinstance(error, KeyError) and error.args:
-            names = parameter_names(api.signature)
+            names = parameter_names(api._api_signature)
             key = error.args[0]
             problem = (
                 f"reads argument {key!r}, which {api.name} does not have"
