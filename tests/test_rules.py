@@ -25,7 +25,9 @@ from torchcontract import (
     UnknownTorchAPIError,
     contract,
     registry,
+    take_snapshot,
 )
+from torchcontract._registry import check_compatible
 
 
 @contract(store=StateStore())
@@ -488,3 +490,19 @@ def test_predicate_raising_is_a_rule_predicate_error_chained_to_its_cause() -> N
     assert "raised ValueError: no such mode" in str(info.value)
     assert isinstance(info.value.__cause__, ValueError)
     assert not fragile_rule.is_applied(layer)
+
+
+def _no_label(module: nn.Module) -> str:
+    raise AssertionError("a module label was built while no rule failed")
+
+
+def test_rules_narrowed_by_when_build_no_module_label_unless_they_fail() -> None:
+    elsewhere = pinned(nn.Linear(2, 2))  # its rule now reads every ranked call
+    layer = nn.Linear(2, 2)
+    check_compatible(
+        RegistryEntry(ranked, (), {"rank": 1}), [layer], [take_snapshot(layer)], _no_label
+    )
+    checkpointing(layer, use_reentrant=False)
+    entry = RegistryEntry(sharding, (), {})
+    check_compatible(entry, [layer], [take_snapshot(layer)], _no_label)  # reads the old entry
+    assert pinned.is_applied(elsewhere)

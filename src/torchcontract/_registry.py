@@ -8,6 +8,7 @@ arguments of each application; a rule may look at them (``when=``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, Generic, Literal, get_args, overload
@@ -199,12 +200,12 @@ class _Ban:
     rule: Incompatible | None
 
 
-def _bans(entry: RegistryEntry, target: str) -> list[_Ban]:
+def _bans(entry: RegistryEntry, target: Callable[[], str]) -> list[_Ban]:
     """The rules that can fire for ``entry``: its API's own, and others' that name it.
 
     A rule declared by another API narrows on the new application's arguments, so it
-    is decided here, once; only rules that still hold become bans. ``target`` labels
-    the module being applied to, for errors.
+    is decided here, once; only rules that still hold become bans. ``target()`` labels
+    the module being applied to, for errors only.
     """
     api = entry.api
     bans = [_Ban(rule.other, rule.scope, rule) for rule in api.rules]
@@ -217,12 +218,15 @@ def _bans(entry: RegistryEntry, target: str) -> list[_Ban]:
     return bans
 
 
-def _accepts(declarer: AnyContract, rule: Incompatible, entry: RegistryEntry, where: str) -> bool:
-    """Whether ``rule`` (of ``declarer``) holds for ``entry``, the application on ``where``.
+def _accepts(
+    declarer: AnyContract, rule: Incompatible, entry: RegistryEntry, where: Callable[[], str]
+) -> bool:
+    """Whether ``rule`` (of ``declarer``) holds for ``entry``, the application on ``where()``.
 
     Errors of the predicate become the library's own, naming the rule: a call whose
     arguments do not bind (``ArgumentBindingError``), a predicate that raised
-    (``RulePredicateError``; a ``KeyError`` names the parameters there are).
+    (``RulePredicateError``; a ``KeyError`` names the parameters there are). Names are
+    built only for an error: ``where`` is called only then.
     """
     if rule.when is None:
         return True
@@ -232,7 +236,7 @@ def _accepts(declarer: AnyContract, rule: Incompatible, entry: RegistryEntry, wh
     except ArgumentBindingError as error:
         message = str(error).removesuffix(FIX_THE_CALL)
         raise ArgumentBindingError(
-            f"{message}; {context} reads them (on {where}){FIX_THE_CALL}"
+            f"{message}; {context} reads them (on {where()}){FIX_THE_CALL}"
         ) from None
     except Exception as error:
         api = entry.api
@@ -247,7 +251,7 @@ def _accepts(declarer: AnyContract, rule: Incompatible, entry: RegistryEntry, wh
         else:
             problem = f"raised {type(error).__qualname__}: {error}"
         raise RulePredicateError(
-            f"{context} {problem} (reading {api.name}'s arguments on {where}); fix the predicate"
+            f"{context} {problem} (reading {api.name}'s arguments on {where()}); fix the predicate"
         ) from error
 
 
@@ -263,7 +267,7 @@ def check_compatible(
     Costs nothing for an API no rule concerns, one registry lookup per module inside
     for tree-wide rules, and a walk only of registered ancestors that hold a banned API.
     """
-    bans = _bans(entry, label(targets[0]))
+    bans = _bans(entry, functools.partial(label, targets[0]))
     if not bans:
         return
     api = entry.api
@@ -285,7 +289,12 @@ def check_compatible(
                     old = REGISTRY.get(module, ban.other)
                     found = old is not None and (
                         ban.rule is None
-                        or _accepts(api, ban.rule, old, _name_in(module, relation, snapshot, label))
+                        or _accepts(
+                            api,
+                            ban.rule,
+                            old,
+                            functools.partial(_name_in, module, relation, snapshot, label),
+                        )
                     )
                     other_name = ban.other.name
                 if found:
