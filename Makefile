@@ -19,6 +19,7 @@ lint: $(BIN)/.installed
 
 typecheck: $(BIN)/.installed
 	$(BIN)/mypy
+	$(BIN)/mypy --disallow-any-expr examples
 	$(BIN)/basedpyright
 
 unit: $(BIN)/.installed

@@ -200,7 +200,9 @@ def test_set_state_with_a_wrong_type_is_refused_and_keeps_the_record(record: obj
     module = _applied()
     old = counted.state(module)
     set_state: Callable[..., None] = counted.set_state
-    with pytest.raises(InvalidRecordError, match="set_state: expected a Count record, got"):
+    with pytest.raises(
+        InvalidRecordError, match="set_state: expected a record of class Count, got"
+    ):
         set_state(module, record)
     assert counted.state(module) is old
 
@@ -210,7 +212,7 @@ def test_update_returning_a_wrong_type_is_refused_and_keeps_the_record(result: o
     module = _applied()
     old = counted.state(module)
     update: Callable[..., object] = counted.update
-    with pytest.raises(InvalidRecordError, match="update: expected a Count record, got"):
+    with pytest.raises(InvalidRecordError, match="update: expected a record of class Count, got"):
         update(module, lambda record: result)
     assert counted.state(module) is old
 

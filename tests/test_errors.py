@@ -12,6 +12,7 @@ import torchcontract
 from torchcontract import (
     AlreadyAppliedError,
     AlreadyManagedError,
+    ArgumentBindingError,
     ContractError,
     CyclicModuleTreeError,
     FQNChangedError,
@@ -22,6 +23,8 @@ from torchcontract import (
     InvalidStateClassError,
     InvalidTargetError,
     NotAppliedError,
+    RulePredicateError,
+    UnknownTorchAPIError,
     contract,
 )
 
@@ -41,6 +44,9 @@ from torchcontract import (
         (InvalidRecordError, (TypeError,)),
         (InvalidResultError, (TypeError,)),
         (InvalidTargetError, (TypeError, ValueError)),
+        (ArgumentBindingError, (ContractError, TypeError)),
+        (RulePredicateError, (ContractError,)),
+        (UnknownTorchAPIError, (ValueError,)),
     ],
 )
 def test_error_has_its_documented_bases(error: type[Exception], bases: tuple[type, ...]) -> None:
@@ -53,6 +59,7 @@ def test_every_error_is_exported() -> None:
         [
             "AlreadyAppliedError",
             "AlreadyManagedError",
+            "ArgumentBindingError",
             "ContractError",
             "CyclicModuleTreeError",
             "FQNChangedError",
@@ -63,6 +70,8 @@ def test_every_error_is_exported() -> None:
             "InvalidStateClassError",
             "InvalidTargetError",
             "NotAppliedError",
+            "RulePredicateError",
+            "UnknownTorchAPIError",
         ]
     )
 

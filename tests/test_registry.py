@@ -10,7 +10,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from torchcontract import Contract, EmptyState, RegistryEntry, StateStore, contract, registry
+from torchcontract import (
+    Contract,
+    EmptyState,
+    NotAppliedError,
+    RegistryEntry,
+    StateStore,
+    contract,
+    registry,
+)
 
 
 @contract()
@@ -144,3 +152,37 @@ def test_registry_sees_apis_whatever_store_keeps_their_records() -> None:
     isolated(layer)
     assert list(registry(layer)) == [first, isolated]
     assert isolated.store is not first.store
+
+
+# ------------------------------------------------------------------- api.entry(module)
+
+
+def test_entry_is_the_registry_entry_of_the_application() -> None:
+    layer = nn.Linear(2, 2)
+    layered(layer, 2, mode="half")
+    entry = layered.entry(layer)
+    assert entry is registry(layer)[layered]
+    assert entry.api is layered
+    assert entry.arguments == {"depth": 2, "mode": "half", "tag": None}
+
+
+def test_entry_of_a_module_the_api_is_not_applied_to_raises_not_applied() -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    first(model)
+    with pytest.raises(NotAppliedError) as info:
+        first.entry(model[0])
+    message = str(info.value)
+    assert f"{first.name} is not applied to Linear '0'" in message
+    assert "apply it first" in message
+
+
+def test_entry_of_a_rolled_back_application_raises_not_applied() -> None:
+    @contract()
+    def failing(module: nn.Module) -> None:
+        raise ValueError("fails")
+
+    layer = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="fails"):
+        failing(layer)
+    with pytest.raises(NotAppliedError):
+        failing.entry(layer)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Callable
+from typing import get_args
 
 import pytest
 from hypothesis import given
@@ -13,14 +14,20 @@ from torch import nn
 from torch.distributed._composable.checkpoint_activation import checkpoint as torch_checkpoint
 
 from torchcontract import (
+    ArgumentBindingError,
     ContractError,
     Incompatible,
     IncompatibleAPIError,
     RegistryEntry,
+    RulePredicateError,
     StateStore,
+    TorchAPIName,
+    UnknownTorchAPIError,
     contract,
     registry,
+    take_snapshot,
 )
+from torchcontract._registry import check_compatible
 
 
 @contract(store=StateStore())
@@ -313,7 +320,7 @@ def test_module_scope_rule_naming_a_torch_api_does_not_fire_inside() -> None:
 
 def test_rule_naming_a_torch_api_cannot_be_narrowed_with_when() -> None:
     with pytest.raises(TypeError) as info:
-        Incompatible("checkpoint", when=lambda entry: True)
+        Incompatible("checkpoint", when=lambda entry: True)  # type: ignore[call-overload]
     message = str(info.value)
     assert "Incompatible('checkpoint', when=...)" in message
     assert "torch's registry records no arguments" in message
@@ -354,3 +361,148 @@ def test_contract_whose_rule_names_another_is_not_kept_alive_by_it() -> None:
     assert alive() is None
     assert "short_lived" not in {declarer.__name__ for declarer in marked.ruled_by}
     assert exclusive in marked.ruled_by
+
+
+# ------------------------------------------------------------------- misuse named by the library
+
+
+def test_rule_naming_an_unknown_torch_api_is_refused_listing_the_known_names() -> None:
+    with pytest.raises(UnknownTorchAPIError) as info:
+        Incompatible("checkpiont")  # type: ignore[call-overload]
+    message = str(info.value)
+    assert "Incompatible('checkpiont')" in message
+    assert "(did you mean 'checkpoint'?)" in message
+    assert "'checkpoint', 'fully_shard', 'replicate'" in message
+
+
+def test_known_torch_api_names_are_the_names_torch_registers_its_apis_under() -> None:
+    from torch.distributed._composable.replicate import replicate as torch_replicate
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    # torch's contract keys an API by its function's __name__ (functools.wraps keeps it).
+    names = {getattr(api, "__name__", None) for api in (torch_checkpoint, torch_replicate)}
+    names.add(getattr(torch_fully_shard, "__name__", None))
+    assert set(get_args(TorchAPIName)) == names
+
+
+@contract()
+def ranked(module: nn.Module, *, rank: int, tag: str = "") -> None:
+    pass
+
+
+def _same_rank(entry: RegistryEntry) -> bool:
+    return bool(entry.arguments["rank"] == 0)
+
+
+@contract(store=StateStore(), incompatible_with=[Incompatible(ranked, when=_same_rank)])
+def pinned(module: nn.Module) -> None:
+    pass
+
+
+def test_misspelt_keyword_read_by_a_rule_names_the_api_the_keyword_and_the_rule() -> None:
+    elsewhere = pinned(nn.Linear(2, 2))  # applied somewhere: its rule reads every ranked call
+    layer = nn.Linear(2, 2)
+    with pytest.raises(ArgumentBindingError) as info:
+        ranked(layer, rnk=0)  # type: ignore[call-arg]
+    message = str(info.value)
+    assert message.startswith(f"{ranked.name} was called with an unknown keyword argument 'rnk'")
+    assert "(did you mean 'rank'?)" in message
+    assert "'rank', 'tag'" in message
+    assert f"the rule Incompatible({ranked.name}, when=_same_rank) of {pinned.name}" in message
+    assert "on Linear" in message
+    assert "fix the call" in message
+    assert pinned.is_applied(elsewhere)
+
+
+def test_call_refused_for_a_misspelt_keyword_installs_nothing_and_a_retry_works() -> None:
+    elsewhere = pinned(nn.Linear(2, 2))
+    layer = nn.Linear(2, 2)
+    with pytest.raises(ArgumentBindingError):
+        ranked(layer, rnk=1)  # type: ignore[call-arg]
+    assert pinned.is_applied(elsewhere)
+    assert not ranked.is_applied(layer)
+    assert dict(registry(layer)) == {}
+    ranked(layer, rank=1)
+    assert registry(layer)[ranked].arguments == {"rank": 1, "tag": ""}
+
+
+def test_arguments_of_an_entry_that_do_not_bind_name_the_api_and_the_keyword() -> None:
+    entry = RegistryEntry(ranked, (), {"rnk": 0})
+    with pytest.raises(ArgumentBindingError) as info:
+        _ = entry.arguments
+    message = str(info.value)
+    assert "unknown keyword argument 'rnk' (did you mean 'rank'?)" in message
+    assert ranked.name in message
+
+
+def _misspelt_predicate(entry: RegistryEntry) -> bool:
+    return bool(entry.arguments["rnk"] == 0)
+
+
+@pytest.mark.parametrize("declarer_first", [True, False])
+def test_predicate_reading_a_missing_argument_names_the_rule_and_the_key(
+    declarer_first: bool,
+) -> None:
+    # Declared here, after a collection: a declarer applied to a module that an earlier
+    # test's traceback cycle still keeps alive would fire too.
+    gc.collect()
+
+    @contract(incompatible_with=[Incompatible(ranked, when=_misspelt_predicate)])
+    def misread(module: nn.Module) -> None:
+        pass
+
+    model = TwoLayer()
+    if declarer_first:
+        misread(model)
+    else:
+        ranked(model.l1, rank=0)
+
+    def second() -> object:
+        return ranked(model.l1, rank=0) if declarer_first else misread(model)
+
+    with pytest.raises(RulePredicateError) as info:
+        second()
+    message = str(info.value)
+    rule = f"the rule Incompatible({ranked.name}, when=_misspelt_predicate) of {misread.name}"
+    assert message.startswith(rule)
+    assert f"reads argument 'rnk', which {ranked.name} does not have (did you mean 'rank'?)" in (
+        message
+    )
+    where = "Linear 'l1' of TwoLayer" if declarer_first else "Linear 'l1'"
+    assert f"(reading {ranked.name}'s arguments on {where}); fix the predicate" in message
+    assert isinstance(info.value.__cause__, KeyError)
+    assert list(registry(model)) == ([misread] if declarer_first else [])
+    assert list(registry(model.l1)) == ([] if declarer_first else [ranked])
+
+
+def test_predicate_raising_is_a_rule_predicate_error_chained_to_its_cause() -> None:
+    def broken(entry: RegistryEntry) -> bool:
+        raise ValueError("no such mode")
+
+    @contract(incompatible_with=[Incompatible(ranked, when=broken)])
+    def fragile_rule(module: nn.Module) -> None:
+        pass
+
+    layer = nn.Linear(2, 2)
+    ranked(layer, rank=0)
+    with pytest.raises(RulePredicateError) as info:
+        fragile_rule(layer)
+    assert "raised ValueError: no such mode" in str(info.value)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert not fragile_rule.is_applied(layer)
+
+
+def _no_label(module: nn.Module) -> str:
+    raise AssertionError("a module label was built while no rule failed")
+
+
+def test_rules_narrowed_by_when_build_no_module_label_unless_they_fail() -> None:
+    elsewhere = pinned(nn.Linear(2, 2))  # its rule now reads every ranked call
+    layer = nn.Linear(2, 2)
+    check_compatible(
+        RegistryEntry(ranked, (), {"rank": 1}), [layer], [take_snapshot(layer)], _no_label
+    )
+    checkpointing(layer, use_reentrant=False)
+    entry = RegistryEntry(sharding, (), {})
+    check_compatible(entry, [layer], [take_snapshot(layer)], _no_label)  # reads the old entry
+    assert pinned.is_applied(elsewhere)

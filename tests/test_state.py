@@ -141,7 +141,9 @@ def test_set_state_with_another_record_class_raises_invalid_record() -> None:
     with pytest.raises(InvalidRecordError) as info:
         untyped(scale.set_state)(layer, OtherState())
     message = str(info.value)
-    assert f"{scale.name}.set_state: expected a ScaleState record, got OtherState" in message
+    assert (
+        f"{scale.name}.set_state: expected a record of class ScaleState, got OtherState" in message
+    )
     assert "for Linear;" in message
     assert "attrs.evolve" in message
     assert scale.state(layer) is before
@@ -150,7 +152,7 @@ def test_set_state_with_another_record_class_raises_invalid_record() -> None:
 def test_set_state_with_a_non_record_raises_a_type_error() -> None:
     layer = nn.Linear(2, 2)
     scale(layer)
-    with pytest.raises(TypeError, match="expected a ScaleState record, got dict"):
+    with pytest.raises(TypeError, match="expected a record of class ScaleState, got dict"):
         untyped(scale.set_state)(layer, {"factor": 2.0})
 
 
@@ -206,7 +208,9 @@ def test_update_returning_another_record_class_raises_and_keeps_the_record() -> 
     before = scale.state(layer)
     with pytest.raises(InvalidRecordError) as info:
         untyped(scale.update)(layer, lambda record: OtherState())
-    assert f"{scale.name}.update: expected a ScaleState record, got OtherState" in str(info.value)
+    assert f"{scale.name}.update: expected a record of class ScaleState, got OtherState" in str(
+        info.value
+    )
     assert scale.state(layer) is before
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from ._contract import Application, Contract, EmptyState, contract
+from ._contract import AnyContract, Application, Contract, EmptyState, contract
 from ._describe import describe
 from ._errors import (
     AlreadyAppliedError,
     AlreadyManagedError,
+    ArgumentBindingError,
     ContractError,
     CyclicModuleTreeError,
     FQNChangedError,
@@ -17,15 +18,26 @@ from ._errors import (
     InvalidStateClassError,
     InvalidTargetError,
     NotAppliedError,
+    RulePredicateError,
+    UnknownTorchAPIError,
 )
 from ._fqn import FQNSnapshot, take_snapshot
-from ._registry import Incompatible, RegistryEntry, registry, torch_registry
+from ._registry import (
+    Incompatible,
+    RegistryEntry,
+    RuleScope,
+    TorchAPIName,
+    registry,
+    torch_registry,
+)
 from ._store import StateStore
 
 __all__ = [
     "AlreadyAppliedError",
     "AlreadyManagedError",
+    "AnyContract",
     "Application",
+    "ArgumentBindingError",
     "Contract",
     "ContractError",
     "CyclicModuleTreeError",
@@ -41,7 +53,11 @@ __all__ = [
     "InvalidTargetError",
     "NotAppliedError",
     "RegistryEntry",
+    "RulePredicateError",
+    "RuleScope",
     "StateStore",
+    "TorchAPIName",
+    "UnknownTorchAPIError",
     "contract",
     "describe",
     "registry",

@@ -13,12 +13,13 @@ import functools
 import inspect
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Concatenate, Generic, TypeVar, overload
+from typing import Any, Concatenate, Generic, Self, TypeVar, overload
 
 import attrs
 from torch import nn
 from typing_extensions import ParamSpec, TypeIs
 
+from ._arguments import bind_arguments
 from ._describe import module_label
 from ._errors import (
     AlreadyAppliedError,
@@ -43,8 +44,16 @@ from ._transaction import WRITE_LOCK, Transaction, open_journal
 __all__ = ["AnyContract", "Application", "Contract", "EmptyState", "contract"]
 
 _P = ParamSpec("_P")
-_R = TypeVar("_R")
+# What a call returns: only ever returned, so a contract returning ``nn.Linear`` is
+# also a contract returning ``nn.Module`` (or ``object``).
+_R_co = TypeVar("_R_co", covariant=True)
+# The record class: invariant, since it is both returned (``state``, ``update``) and
+# accepted (``set_state``'s record, ``update``'s transition): a contract with records
+# ``S`` cannot stand in for one with records ``object``, or ``set_state`` could store any
+# object as its record.
 _S = TypeVar("_S")
+# Application only hands records out: covariant.
+_S_co = TypeVar("_S_co", covariant=True)
 _Target = TypeVar("_Target", bound="nn.Module | Sequence[nn.Module]")
 _Result = TypeVar("_Result", bound="nn.Module | Sequence[nn.Module]")
 
@@ -54,7 +63,7 @@ class EmptyState:
     """The record of an API that keeps no state of its own."""
 
 
-class Application(Generic[_S]):
+class Application(Generic[_S_co]):
     """One application of an API: what its hooks hold, so they act for that application only.
 
     ``record(module)`` is the API's record of ``module`` while that record belongs to
@@ -70,18 +79,18 @@ class Application(Generic[_S]):
         self._cells = cells
         self._cell = cell
 
-    def record(self, module: nn.Module) -> _S | None:
+    def record(self, module: nn.Module) -> _S_co | None:
         """The record of ``module`` if this application installed it, else None."""
         cell = self._cells.get(id(module))
         if cell is None or cell is not self._cell:
             return None
-        record: _S = cell.record
+        record: _S_co = cell.record
         return record
 
-    def __copy__(self) -> Application[_S]:
+    def __copy__(self) -> Application[_S_co]:
         return Application({}, None)
 
-    def __deepcopy__(self, memo: object) -> Application[_S]:
+    def __deepcopy__(self, memo: object) -> Application[_S_co]:
         return Application({}, None)
 
     def __reduce__(self) -> tuple[type[Application[Any]], tuple[dict[int, Cell[Any]], None]]:
@@ -91,13 +100,17 @@ class Application(Generic[_S]):
         return f"<Application {'detached' if self._cell is None else 'attached'}>"
 
 
-class Contract(Generic[_P, _R, _S]):
+class Contract(Generic[_P, _R_co, _S]):
     """A composable API: calling it applies ``func`` to a module; ``state`` reads its record.
 
     Made by ``@contract(StateClass)``. Generic over the API function's signature
-    ``_P``, what a call returns ``_R`` and the record class ``_S``. Contracts are
+    ``_P``, what a call returns ``_R_co`` (covariant) and the record class ``_S``
+    (invariant: records go in as well as out). Contracts are
     compared and hashed by identity and pickle by reference.
     """
+
+    #: The API function, as ``functools.update_wrapper`` sets it.
+    __wrapped__: Callable[_P, object]
 
     def __init__(
         self,
@@ -147,7 +160,7 @@ class Contract(Generic[_P, _R, _S]):
 
     # ----------------------------------------------------------------- apply
 
-    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R_co:
         """Apply the API; see ``contract`` for the steps and what each may raise."""
         if not args:
             raise InvalidTargetError(
@@ -166,7 +179,7 @@ class Contract(Generic[_P, _R, _S]):
             updated = self._updated(given, items, targets, result)
             for old, module in zip(before, updated, strict=True):
                 self._verify(old, self._snapshot(module))
-        returned: _R = given if result is None else result
+        returned: _R_co = given if result is None else result
         return returned
 
     def _items(self, given: object) -> list[nn.Module]:
@@ -285,6 +298,16 @@ class Contract(Generic[_P, _R, _S]):
         record: _S = cell.record
         return record
 
+    def entry(self, module: nn.Module) -> RegistryEntry[Self]:
+        """The registry entry of this API's application to ``module``, typed by this contract.
+
+        ``NotAppliedError`` if the API is not applied to exactly ``module``.
+        """
+        entry = REGISTRY.get(module, self)
+        if entry is None:
+            raise _not_applied(self.name, module)
+        return entry
+
     def is_applied(self, module: nn.Module) -> bool:
         """Whether this API is applied to exactly ``module``."""
         return id(module) in self._cells
@@ -334,8 +357,9 @@ class Contract(Generic[_P, _R, _S]):
     def _check_record(self, record: object, method: str, module: nn.Module) -> None:
         if type(record) is not self.state_cls and not isinstance(record, self.state_cls):
             raise InvalidRecordError(
-                f"{self.name}.{method}: expected a {self.state_cls.__qualname__} record, got "
-                f"{type(record).__qualname__} for {module_label(module)}; "
+                f"{self.name}.{method}: expected a record of class "
+                f"{self.state_cls.__qualname__}, got {type(record).__qualname__} for "
+                f"{module_label(module)}; "
                 "build one with attrs.evolve(record, ...)"
             )
         if not holds_only_atoms(self._field_values(record)):
@@ -344,14 +368,18 @@ class Contract(Generic[_P, _R, _S]):
     # ----------------------------------------------------------------- arguments
 
     def bind_arguments(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
-        """Bind a call's arguments (without the module) to the API function, defaults filled in."""
+        """Bind a call's arguments (without the module) to the API function, defaults filled in.
+
+        ``ArgumentBindingError`` naming the offending keyword if they do not fit.
+        """
+        return bind_arguments(self._api_signature, self.name, args, kwargs)
+
+    @property
+    def _api_signature(self) -> inspect.Signature:
+        """The API function's signature, computed once."""
         if self._signature is None:
             self._signature = inspect.signature(self._func)
-        bound = self._signature.bind(None, *args, **kwargs)
-        bound.apply_defaults()
-        names = iter(bound.arguments)
-        next(names)  # the module
-        return {name: bound.arguments[name] for name in names}
+        return self._signature
 
 
 AnyContract = Contract[..., Any, Any]

@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "AlreadyAppliedError",
     "AlreadyManagedError",
+    "ArgumentBindingError",
     "ContractError",
     "CyclicModuleTreeError",
     "FQNChangedError",
@@ -19,6 +20,8 @@ __all__ = [
     "InvalidStateClassError",
     "InvalidTargetError",
     "NotAppliedError",
+    "RulePredicateError",
+    "UnknownTorchAPIError",
 ]
 
 
@@ -68,3 +71,19 @@ class InvalidTargetError(TypeError, ValueError):
 
 class InvalidResultError(TypeError):
     """The API function returned something other than a module, a sequence of them, or None."""
+
+
+class ArgumentBindingError(ContractError, TypeError):
+    """A call's arguments do not bind to the API function's parameters (a misspelt keyword).
+
+    Raised when the arguments are bound: by ``RegistryEntry.arguments``, which a rule's
+    ``when=`` predicate reads before the API function runs.
+    """
+
+
+class RulePredicateError(ContractError):
+    """A rule's ``when=`` predicate raised, e.g. reading an argument the API does not have."""
+
+
+class UnknownTorchAPIError(ValueError):
+    """A rule names a torch composable API by a name torch does not register."""

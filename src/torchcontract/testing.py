@@ -21,14 +21,14 @@ from collections.abc import Callable, Generator, Mapping
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any, Concatenate, Final, Generic, Literal, TypeVar, overload
+from typing import Any, Concatenate, Final, Generic, Literal, overload
 
 import attrs
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
-from typing_extensions import ParamSpec, TypeVarTuple
+from typing_extensions import ParamSpec, TypeVar, TypeVarTuple
 
 from torchcontract import Contract, registry, take_snapshot
 from torchcontract.apis._torch import fork_rng, manual_seed
@@ -326,29 +326,91 @@ def _identity(model: nn.Module) -> nn.Module:
 
 
 _M = TypeVar("_M", bound=nn.Module)
+# The target is only handed out: a case whose target is an nn.Linear is a case whose
+# target is an nn.Module. The model type is invariant: ``target`` takes it.
+_T_co = TypeVar("_T_co", bound=nn.Module, covariant=True, default=_M)
+_T = TypeVar("_T", bound=nn.Module)
+_S = TypeVar("_S")
 
 
-@attrs.frozen
-class ModelCase(Generic[_M]):
+@attrs.frozen(init=False)
+class ModelCase(Generic[_M, _T_co]):
     """A model to check an API on, and how to run it.
+
+    Generic in the model type ``M`` and the target type ``T`` (default ``M``), so an
+    API whose first parameter is an ``nn.Module`` subclass is checked without a cast:
+    ``ModelCase(make_linear, make_inputs)`` is a ``ModelCase[nn.Linear]``.
 
     ``make_model`` builds it (called twice, under the same seed, so it must be
     deterministic given torch's RNG); ``make_inputs`` gives the positional inputs
     of one forward; ``loss`` reduces the output to a scalar (default: the sum of
     its float tensors). ``target`` picks the module the API is applied to (default
-    the model). ``same_numerics`` says the API must not change outputs or
-    gradients (within ``tolerance``); ``check_freed`` that the applied model is
-    freed by reference counting alone once dropped (no reference cycle).
+    the model; with mypy, pass a function rather than a lambda: mypy infers a
+    lambda's result before it knows the model type). ``same_numerics`` says the API
+    must not change outputs or gradients (within ``tolerance``); ``check_freed`` that
+    the applied model is freed by reference counting alone once dropped (no cycle).
     """
 
     make_model: Callable[[], _M]
     make_inputs: Callable[[], tuple[Any, ...]]
-    loss: Callable[[Any], Tensor] = _sum_of_outputs
-    target: Callable[[_M], nn.Module] = _identity
-    same_numerics: bool = True
-    tolerance: float = 1e-6
-    check_freed: bool = True
-    seed: int = 0
+    loss: Callable[[Any], Tensor]
+    target: Callable[[_M], _T_co]
+    same_numerics: bool
+    tolerance: float
+    check_freed: bool
+    seed: int
+
+    # Overloads rather than attrs' __init__: without ``target`` the target type is the
+    # model type, which no default value of ``target`` could say.
+    @overload
+    def __init__(
+        self: ModelCase[_T, _T],
+        make_model: Callable[[], _T],
+        make_inputs: Callable[[], tuple[Any, ...]],
+        loss: Callable[[Any], Tensor] = ...,
+        *,
+        same_numerics: bool = ...,
+        tolerance: float = ...,
+        check_freed: bool = ...,
+        seed: int = ...,
+    ) -> None: ...
+    @overload
+    def __init__(
+        self,
+        make_model: Callable[[], _M],
+        make_inputs: Callable[[], tuple[Any, ...]],
+        loss: Callable[[Any], Tensor] = ...,
+        *,
+        target: Callable[[_M], _T_co],
+        same_numerics: bool = ...,
+        tolerance: float = ...,
+        check_freed: bool = ...,
+        seed: int = ...,
+    ) -> None: ...
+    def __init__(
+        self,
+        make_model: Callable[[], nn.Module],
+        make_inputs: Callable[[], tuple[Any, ...]],
+        loss: Callable[[Any], Tensor] = _sum_of_outputs,
+        *,
+        target: Callable[[Any], nn.Module] | None = None,
+        same_numerics: bool = True,
+        tolerance: float = 1e-6,
+        check_freed: bool = True,
+        seed: int = 0,
+    ) -> None:
+        fields = {
+            "make_model": make_model,
+            "make_inputs": make_inputs,
+            "loss": loss,
+            "target": _identity if target is None else target,
+            "same_numerics": same_numerics,
+            "tolerance": tolerance,
+            "check_freed": check_freed,
+            "seed": seed,
+        }
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)  # frozen: set once, as attrs would
 
 
 @attrs.frozen
@@ -361,13 +423,16 @@ class InvariantReport:
 
 
 def check_api_invariants(
-    api: Contract[Concatenate[nn.Module, _P], Any, Any],
-    case: ModelCase[Any],
+    api: Contract[Concatenate[_T, _P], object, _S],
+    case: ModelCase[_M, _T],
     /,
     *args: _P.args,
     **kwargs: _P.kwargs,
 ) -> InvariantReport:
     """Apply ``api(target, *args, **kwargs)`` to a model of ``case`` and check it behaves.
+
+    ``api``'s first parameter takes ``case``'s target type: an API on ``nn.Linear``
+    takes a ``ModelCase`` whose target is an ``nn.Linear``.
 
     Checked, against a second, unapplied copy of the model: parameter, buffer,
     module and ``state_dict`` FQNs of the whole model are unchanged and in the
@@ -380,7 +445,7 @@ def check_api_invariants(
     """
     with fork_rng(devices=[]):
         manual_seed(case.seed)
-        model: nn.Module = case.make_model()
+        model = case.make_model()
         manual_seed(case.seed)
         reference: nn.Module = case.make_model()
     _check_same_parameters(model, reference)
@@ -453,8 +518,8 @@ def _check_registry_and_record(
     record: object = api.state(target)
     if not isinstance(record, api.state_cls):
         raise AssertionError(
-            f"check_api_invariants: {api.name}'s record is a {type(record).__qualname__}, "
-            f"not a {api.state_cls.__qualname__}"
+            f"check_api_invariants: {api.name}'s record is of class "
+            f"{type(record).__qualname__}, not of its state class {api.state_cls.__qualname__}"
         )
     if api.store.records(target).get(api) is not record:
         raise AssertionError(
@@ -467,7 +532,7 @@ def _check_registry_and_record(
             )
 
 
-def _forward_backward(case: ModelCase[Any], model: nn.Module) -> tuple[Any, dict[str, Tensor]]:
+def _forward_backward(case: ModelCase[Any, Any], model: nn.Module) -> tuple[Any, dict[str, Tensor]]:
     """One forward and backward under a fixed seed; the output and the gradients by FQN."""
     with fork_rng(devices=[]):
         manual_seed(case.seed + 1)
