@@ -235,6 +235,27 @@ def test_record_reaching_its_module_through_a_callable_is_refused_so_the_module_
     assert torch_ref() is None
 
 
+def _containing(module: nn.Module) -> list[object]:
+    """Containers that keep ``module`` alive: a set, a frozenset, a dict key, a tuple."""
+    return [{module}, frozenset([module]), {module: None}, (module,)]
+
+
+@pytest.mark.parametrize("index", range(4), ids=["set", "frozenset", "dict-key", "tuple"])
+def test_record_holding_its_module_in_a_container_is_refused_so_the_module_can_die(
+    index: int,
+) -> None:
+    model = _model()
+    saving(model)
+    with pytest.raises(InvalidRecordError, match=r"holds an nn\.Module"):
+        saving.set_state(model, Holder(_containing(model)[index]))
+    assert saving.state(model) == Holder()
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+    assert len(STORE) == 0
+
+
 def test_record_holding_a_weak_proxy_of_its_module_is_kept_and_does_not_keep_it_alive() -> None:
     model = _model()
     saving(model)

@@ -237,6 +237,17 @@ class StoreMachine(RuleBasedStateMachine):
             assert list(self.store.records(module).items()) == expected
             assert list(registry(module)) == [self.apis[index] for index in order]
             assert not self.faulty.is_applied(module)
+            assert self.faulty.get_state(module) is None
+
+    @invariant()
+    def lock_free_reads_agree_with_the_model(self) -> None:
+        for handle in self._live():
+            module = self._module(handle)
+            for index, api in enumerate(self.apis):
+                applied = self._applied(handle, index)
+                assert api.is_applied(module) == applied
+                expected = Count(self.cells[handle, index].n) if applied else None
+                assert api.get_state(module) == expected
 
     @invariant()
     def roots_of_one_list_apply_share_one_record(self) -> None:
