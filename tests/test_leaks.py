@@ -171,10 +171,10 @@ def test_a_store_is_freed_with_its_apis_once_their_modules_died() -> None:
     local.update(model, bump)
     with contextlib.suppress(ValueError):
         local(model[1], fail=True)
-    refs = [weakref.ref(store._table), weakref.ref(local)]
+    table, api = weakref.ref(store._table), weakref.ref(local)
     del store, local, model
     gc.collect()
-    assert [ref() for ref in refs] == [None, None]
+    assert (table(), api()) == (None, None)
 
 
 def test_models_die_without_the_cycle_collector() -> None:
