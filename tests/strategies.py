@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 import attrs
 from hypothesis import strategies as st
@@ -15,6 +16,25 @@ from torchcontract import Contract, NotAppliedError, StateStore, registry
 
 _T = TypeVar("_T")
 AnyContract = Contract[..., Any, Any]
+
+#: The hypothesis profile of this run (registered in conftest.py): "fuzz" under
+#: `make fuzz`, "mutate" under `make mutate`, empty for `make test` and CI.
+PROFILE: Final = os.environ.get("TORCHCONTRACT_HYPOTHESIS_PROFILE", "")
+_SCALE: Final = {"fuzz": 10.0, "mutate": 0.1}.get(PROFILE, 1.0)
+_STEPS: Final = {"fuzz": 4.0, "mutate": 0.5}.get(PROFILE, 1.0)
+
+
+def examples(usual: int) -> int:
+    """Examples for a property test that sets its own count: ``usual`` in `make test` and CI.
+
+    Ten times as many under `make fuzz`, a tenth under `make mutate` (at least one).
+    """
+    return max(1, round(usual * _SCALE))
+
+
+def steps(usual: int) -> int:
+    """Steps per run of a stateful test: ``usual``, four times as many under `make fuzz`."""
+    return max(1, round(usual * _STEPS))
 
 
 @attrs.frozen

@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import Count, Holder, bump, contents, module_trees, non_modules
+from strategies import Count, Holder, bump, contents, examples, module_trees, non_modules
 from torch import nn
 from torch.distributed._composable.contract import contract as torch_contract
 
@@ -99,7 +99,7 @@ def test_non_module_item_in_a_list_is_an_invalid_target() -> None:
     assert not marked.is_applied(module)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(module_trees(), st.data())
 def test_list_with_nested_modules_applies_to_the_ancestors_only(
     tree: nn.Module, data: st.DataObject

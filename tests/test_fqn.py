@@ -191,6 +191,20 @@ def test_a_name_repeated_more_often_is_counted() -> None:
     assert "module FQNs of Module: 1 names before, 2 after" in message
 
 
+def test_a_listing_one_name_too_long_ends_with_one_more() -> None:
+    names = [f"p{index}" for index in range(9)]
+    message = _check(take_snapshot(_with_parameters()), take_snapshot(_with_parameters(*names)))
+    shown = ", ".join(repr(name) for name in names[:8])
+    assert f"only after: [{shown}, ... and 1 more]" in message
+
+
+def test_a_listing_of_eight_names_shows_them_all() -> None:
+    names = [f"p{index}" for index in range(8)]
+    message = _check(take_snapshot(_with_parameters()), take_snapshot(_with_parameters(*names)))
+    shown = ", ".join(repr(name) for name in names)
+    assert f"only after: [{shown}]" in message
+
+
 def test_long_listings_end_with_how_many_more() -> None:
     names = [f"p{index}" for index in range(11)]
     message = _check(take_snapshot(_with_parameters()), take_snapshot(_with_parameters(*names)))

@@ -23,6 +23,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from strategies import examples
 from torch import nn
 
 from torchcontract import FQNChangedError, contract, take_snapshot
@@ -32,7 +33,9 @@ _T = TypeVar("_T")
 NAMES = ("a", "b", "c", "w")  # few names, so that mutations hit existing ones
 MAX_DEPTH = 3
 MAX_CHILDREN = 3
-EXAMPLES = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+EXAMPLES = settings(
+    max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 Names = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]]
 

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from strategies import Count, bump
+from strategies import Count, bump, examples, steps
 from torch import nn
 
 from torchcontract import (
@@ -266,8 +266,8 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 StoreMachine.TestCase.settings = settings(
-    max_examples=100,
-    stateful_step_count=30,
+    max_examples=examples(100),
+    stateful_step_count=steps(30),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
