@@ -326,6 +326,26 @@ def test_record_holding_a_weak_reference_or_a_cyclic_list_is_accepted() -> None:
         assert holding.state(module).value is value
 
 
+def _with_an_empty_cell(*, fill: bool = False) -> Callable[[], object]:
+    """A function whose closure cell is not filled (unless ``fill``): its variable comes later."""
+
+    def read() -> object:
+        return later
+
+    if not fill:
+        return read
+    later = 1
+    return read
+
+
+def test_record_holding_a_function_with_an_unfilled_closure_cell_is_accepted() -> None:
+    module = nn.Linear(1, 1)
+    holding(module)
+    function = _with_an_empty_cell()
+    holding.set_state(module, Holder(function))
+    assert holding.state(module).value is function
+
+
 def test_state_class_whose_default_holds_a_module_is_refused_at_decoration() -> None:
     @attrs.frozen
     class Owning:

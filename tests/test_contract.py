@@ -364,6 +364,17 @@ def _make_feature() -> Contract[[nn.Module], nn.Module, CountState]:
     return feature
 
 
+def test_contract_keeps_the_attributes_set_on_its_function() -> None:
+    def tagged(module: nn.Module) -> None:
+        """Tagged."""
+
+    tagged.__dict__["owner"] = "team-a"
+    api = contract()(tagged)
+    assert api.__dict__["owner"] == "team-a"
+    assert api.__doc__ == "Tagged."
+    assert api.__dict__["__wrapped__"] is tagged
+
+
 def test_contracts_whose_functions_share_a_name_are_independent() -> None:
     first, second = _make_feature(), _make_feature()
     assert first.__qualname__ == second.__qualname__

@@ -228,6 +228,30 @@ def test_module_reusing_a_dead_modules_id_starts_without_state() -> None:
     assert reused > 0  # CPython hands the freed memory straight back
 
 
+def test_module_reusing_a_dead_modules_id_starts_without_state_in_a_store_made_later() -> None:
+    # The stores above are made at import; this one is made here, after the library's
+    # own set-up, so what a new store does when a module dies is tested too.
+    store = StateStore()
+
+    @contract(Count, store=store)
+    def late(module: nn.Module) -> None:
+        pass
+
+    reused = 0
+    for _ in range(200):
+        module = nn.Linear(1, 1)
+        late(module)
+        dead = id(module)
+        del module
+        module = nn.Linear(1, 1)
+        if id(module) == dead:
+            reused += 1
+            assert not late.is_applied(module)
+            assert late.get_state(module) is None
+            assert len(store) == 0
+    assert reused > 0
+
+
 @contract(Holder, store=STORE)
 def saving(module: nn.Module) -> None:
     pass
