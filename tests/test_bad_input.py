@@ -154,14 +154,18 @@ class NoDefault:
 @pytest.mark.parametrize(
     ("state_cls", "words"),
     [
-        (Plain, "Plain): the state class must be an attrs class"),
+        (Plain, "Plain): the state class must be an attrs class; decorate it with @attrs.frozen"),
         (FrozenDataclass, "FrozenDataclass): the state class must be an attrs class"),
         (Count(), "must be an attrs class"),
         (None, "must be an attrs class"),
         (Mutable, "Mutable): the state class must be frozen; use @attrs.frozen"),
         (MutableDict, "MutableDict): the state class must be frozen"),
         (OldStyle, "OldStyle): the state class must be frozen"),
-        (NoDefault, "NoDefault): fields ['n'] have no default"),
+        (
+            NoDefault,
+            "NoDefault): fields ['n'] have no default; every field needs one, "
+            "since apply installs the default record",
+        ),
     ],
     ids=["plain", "dataclass", "instance", "none", "define", "define-dict", "attr.s", "no-default"],
 )
