@@ -391,6 +391,16 @@ def test_state_of_a_contract_made_at_run_time_names_it_and_the_module_when_not_a
     assert info.value.__suppress_context__
 
 
+def test_arguments_of_a_contract_made_at_run_time_are_bound_by_name() -> None:
+    def made_late(module: nn.Module, size: int, *, mode: str = "fast") -> None:
+        pass
+
+    api = contract()(made_late)
+    module = nn.Linear(1, 1)
+    api(module, 3)
+    assert dict(registry(module)[api].arguments) == {"size": 3, "mode": "fast"}
+
+
 def test_contracts_whose_functions_share_a_name_are_independent() -> None:
     first, second = _make_feature(), _make_feature()
     assert first.__qualname__ == second.__qualname__
