@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from torchcontract import ContractError, FQNChangedError, FQNSnapshot, take_snapshot
-from torchcontract._fqn import check_strict, check_unchanged
+from torchcontract._fqn import check_strict, check_unchanged, descendants
 
 
 def _label(module: nn.Module) -> str:
@@ -354,3 +354,9 @@ def test_strict_check_reports_the_first_offending_module_in_order() -> None:
     model[1].__class__ = Other
     with pytest.raises(ContractError, match="assigned forward on the instance of Linear at '0'"):
         check_strict("api", _label, before, take_snapshot(model))
+
+
+def test_descendants_lists_a_module_shared_by_two_paths_once() -> None:
+    shared = nn.Linear(1, 1)
+    root = nn.Sequential(shared, nn.Sequential(shared))
+    assert [id(module) for module in descendants(root)] == [id(shared), id(root[1])]
