@@ -262,6 +262,7 @@ def _holding_module(module: nn.Module) -> list[object]:
         module,
         other,
         (1, module),
+        (module, 1),
         [[module]],
         {"key": module},
         {module: "value"},
@@ -283,7 +284,8 @@ def _holding_module(module: nn.Module) -> list[object]:
     ]
 
 
-HOLDING_IDS = ["self", "other", "tuple", "list", "dict", "dict-key", "set", "frozenset"]
+HOLDING_IDS = ["self", "other", "tuple", "tuple-before-an-atom", "list", "dict", "dict-key"]
+HOLDING_IDS += ["set", "frozenset"]
 HOLDING_IDS += ["nested-record", "cyclic-list", "bound-method", "builtin-bound-method", "lambda"]
 HOLDING_IDS += ["closure", "default", "keyword-default", "closure-of-a-closure", "partial-func"]
 HOLDING_IDS += ["partial-args", "partial-keywords", "bound-method-in-list"]

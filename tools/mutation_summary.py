@@ -32,20 +32,20 @@ def main() -> int:
         others += [
             (name, status_by_exit_code[code])
             for name, code in sorted(codes.items())
-            if status_by_exit_code[code] != "killed"
+            if status_by_exit_code[code] not in ("killed", "not checked")
         ]
     total: Counter[str] = Counter()
-    print("| module | mutants | killed | survived | timed out | other | killed % |")
+    print("| module | mutants | checked | killed | survived | timed out | killed % of checked |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for module, statuses in [*rows, ("all", total)]:
         if module != "all":
             total.update(statuses)
-        count = sum(statuses.values())
         killed, survived, timeout = (statuses[s] for s in ("killed", "survived", "timeout"))
-        other = count - killed - survived - timeout
-        score = 100 * killed / count if count else 0.0
+        checked = killed + survived + timeout
+        score = f"{100 * killed / checked:.1f}" if checked else "-"
         print(
-            f"| `{module}` | {count} | {killed} | {survived} | {timeout} | {other} | {score:.1f} |"
+            f"| `{module}` | {sum(statuses.values())} | {checked} | {killed} | {survived} "
+            f"| {timeout} | {score} |"
         )
     print()
     for name, status in others:
