@@ -3,7 +3,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PYTHON ?= python3
 
-.PHONY: test lint typecheck unit demo bench dist compat clean
+.PHONY: test lint typecheck unit demo bench dist compat fuzz mutate clean
 
 $(BIN)/.installed: pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -40,5 +40,22 @@ dist: $(BIN)/.installed
 compat:
 	bash tools/compat.sh
 
+# Before a release, not in CI: the property and stateful tests with random seeds, ten
+# times the examples and four times the stateful steps (profile "fuzz", tests/conftest.py).
+FUZZED := tests/test_fqn_properties.py tests/test_store_stateful.py tests/test_bad_input.py \
+	tests/test_store.py tests/test_state.py tests/test_contract.py tests/test_registry.py \
+	tests/test_rules.py tests/test_describe.py tests/test_replicate_buckets.py
+fuzz: $(BIN)/.installed
+	TORCHCONTRACT_HYPOTHESIS_PROFILE=fuzz $(BIN)/pytest -q -p no:cacheprovider \
+		--hypothesis-show-statistics $(FUZZED)
+
+# Mutation testing of the core with mutmut (config: [tool.mutmut] in pyproject.toml), not
+# in `make test` or CI; tests/mutation/README.md says what the last run found.
+mutate: $(BIN)/.installed
+	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements-mutate.txt
+	rm -rf mutants
+	TORCHCONTRACT_HYPOTHESIS_PROFILE=mutate $(BIN)/mutmut run --max-children 2 || true
+	$(BIN)/python tools/mutation_summary.py
+
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis mutants

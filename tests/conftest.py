@@ -7,6 +7,7 @@ import platform
 
 import torch
 from hypothesis import settings
+from strategies import PROFILE
 
 # Tests run on a few shared CPU cores; a per-example deadline would only measure the
 # machine's load, so hypothesis checks behaviour, never speed. Under CI, start from
@@ -16,7 +17,17 @@ settings.register_profile(
     parent=settings.get_profile("ci") if os.environ.get("CI") else None,
     deadline=None,
 )
-settings.load_profile("torchcontract")
+# `make fuzz`: random seeds every run, ten times the examples (see strategies.examples)
+# and longer stateful runs; failures are kept in the example database and replayed first.
+settings.register_profile(
+    "fuzz", deadline=None, derandomize=False, max_examples=1_000, stateful_step_count=100
+)
+# `make mutate`: every mutant sees the same few examples, so a kill is reproducible and a
+# run of hundreds of mutants ends; no database, which forked mutant runs would share.
+settings.register_profile(
+    "mutate", deadline=None, derandomize=True, database=None, max_examples=10, print_blob=False
+)
+settings.load_profile(PROFILE or "torchcontract")
 
 
 def pytest_report_header() -> str:

@@ -3,17 +3,38 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 import attrs
 from hypothesis import strategies as st
 from torch import nn
 
-from torchcontract import StateStore, registry
+from torchcontract import Contract, NotAppliedError, StateStore, registry
 
 _T = TypeVar("_T")
+AnyContract = Contract[..., Any, Any]
+
+#: The hypothesis profile of this run (registered in conftest.py): "fuzz" under
+#: `make fuzz`, "mutate" under `make mutate`, empty for `make test` and CI.
+PROFILE: Final = os.environ.get("TORCHCONTRACT_HYPOTHESIS_PROFILE", "")
+_SCALE: Final = {"fuzz": 10.0, "mutate": 0.1}.get(PROFILE, 1.0)
+_STEPS: Final = {"fuzz": 4.0, "mutate": 0.5}.get(PROFILE, 1.0)
+
+
+def examples(usual: int) -> int:
+    """Examples for a property test that sets its own count: ``usual`` in `make test` and CI.
+
+    Ten times as many under `make fuzz`, a tenth under `make mutate` (at least one).
+    """
+    return max(1, round(usual * _SCALE))
+
+
+def steps(usual: int) -> int:
+    """Steps per run of a stateful test: ``usual``, four times as many under `make fuzz`."""
+    return max(1, round(usual * _STEPS))
 
 
 @attrs.frozen
@@ -40,31 +61,58 @@ class Holder:
 
 @attrs.frozen
 class Contents:
-    """Everything the store(s) and the registry hold for every module of a model.
+    """Everything a user can observe of the store(s) and the registry for a model's modules.
 
     ``rows`` is ``(fqn, "record" | "entry", api name, id(value))`` in store order;
-    ``values`` keeps those values alive so the ids stay theirs. Two ``Contents`` are
-    equal when the same objects sit under the same APIs in the same order.
+    ``reads`` is ``(fqn, api name, is_applied, id(get_state), id(state) or -1)`` per
+    module and per API asked about, so a record the lock-free readers still see is
+    caught even where ``records()`` no longer lists it; ``sizes`` is ``len(store)``
+    per store. ``values`` keeps the values alive so the ids stay theirs. Two
+    ``Contents`` are equal when the same objects sit under the same APIs in the
+    same order and every read answers the same.
     """
 
     rows: tuple[tuple[str, str, str, int], ...]
+    reads: tuple[tuple[str, str, bool, int, int], ...]
+    sizes: tuple[int, ...]
     values: tuple[object, ...] = attrs.field(eq=False, repr=False)
 
 
-def contents(model: nn.Module, stores: Iterable[StateStore]) -> Contents:
-    """Snapshot the records in ``stores`` and the registry entries of every module of ``model``."""
+def contents(
+    model: nn.Module, stores: Iterable[StateStore], apis: Iterable[AnyContract] = ()
+) -> Contents:
+    """Snapshot the records in ``stores``, the registry and the reads of ``apis`` over ``model``.
+
+    ``apis`` are the contracts whose ``is_applied``, ``get_state`` and ``state``
+    are read on every module; the APIs that have records in ``stores`` are always
+    read too.
+    """
     rows: list[tuple[str, str, str, int]] = []
+    reads: list[tuple[str, str, bool, int, int]] = []
     values: list[object] = []
     stores = tuple(stores)
+    asked = list(apis)
     for fqn, module in model.named_modules(remove_duplicate=False):
+        read = list(asked)
         for store in stores:
             for api, record in store.records(module).items():
                 rows.append((fqn, "record", api.name, id(record)))
                 values.append(record)
+                if api not in read:
+                    read.append(api)
         for api, entry in registry(module).items():
             rows.append((fqn, "entry", api.name, id(entry)))
             values.append(entry)
-    return Contents(tuple(rows), tuple(values))
+        for api in read:
+            found = api.get_state(module)
+            try:
+                state: object = api.state(module)
+            except NotAppliedError:
+                state = None
+            read_id = -1 if state is None else id(state)
+            reads.append((fqn, api.name, api.is_applied(module), id(found), read_id))
+            values += [found, state]
+    return Contents(tuple(rows), tuple(reads), tuple(len(store) for store in stores), tuple(values))
 
 
 # ----------------------------------------------------------------- threads

@@ -119,6 +119,14 @@ def test_handle_answers_none_once_the_api_is_applied_again_after_a_rollback() ->
     assert handles == [None]
 
 
+def test_handle_repr_says_whether_it_is_attached() -> None:
+    module = nn.Linear(2, 2)
+    counted(module)
+    handle = counted.application(module)
+    assert repr(handle) == "<Application attached>"
+    assert repr(copy.copy(handle)) == "<Application detached>"
+
+
 def test_application_of_an_unapplied_module_raises_not_applied() -> None:
     with pytest.raises(NotAppliedError, match=r"counted is not applied to Linear"):
         counted.application(nn.Linear(2, 2))

@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import Count, Holder, bump, contents, module_trees, non_modules
+from strategies import Count, Holder, bump, contents, examples, module_trees, non_modules
 from torch import nn
 from torch.distributed._composable.contract import contract as torch_contract
 
@@ -99,7 +99,7 @@ def test_non_module_item_in_a_list_is_an_invalid_target() -> None:
     assert not marked.is_applied(module)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(module_trees(), st.data())
 def test_list_with_nested_modules_applies_to_the_ancestors_only(
     tree: nn.Module, data: st.DataObject
@@ -154,14 +154,18 @@ class NoDefault:
 @pytest.mark.parametrize(
     ("state_cls", "words"),
     [
-        (Plain, "Plain): the state class must be an attrs class"),
+        (Plain, "Plain): the state class must be an attrs class; decorate it with @attrs.frozen"),
         (FrozenDataclass, "FrozenDataclass): the state class must be an attrs class"),
         (Count(), "must be an attrs class"),
         (None, "must be an attrs class"),
         (Mutable, "Mutable): the state class must be frozen; use @attrs.frozen"),
         (MutableDict, "MutableDict): the state class must be frozen"),
         (OldStyle, "OldStyle): the state class must be frozen"),
-        (NoDefault, "NoDefault): fields ['n'] have no default"),
+        (
+            NoDefault,
+            "NoDefault): fields ['n'] have no default; every field needs one, "
+            "since apply installs the default record",
+        ),
     ],
     ids=["plain", "dataclass", "instance", "none", "define", "define-dict", "attr.s", "no-default"],
 )
@@ -260,6 +264,7 @@ def _holding_module(module: nn.Module) -> list[object]:
         module,
         other,
         (1, module),
+        (module, 1),
         [[module]],
         {"key": module},
         {module: "value"},
@@ -281,7 +286,8 @@ def _holding_module(module: nn.Module) -> list[object]:
     ]
 
 
-HOLDING_IDS = ["self", "other", "tuple", "list", "dict", "dict-key", "set", "frozenset"]
+HOLDING_IDS = ["self", "other", "tuple", "tuple-before-an-atom", "list", "dict", "dict-key"]
+HOLDING_IDS += ["set", "frozenset"]
 HOLDING_IDS += ["nested-record", "cyclic-list", "bound-method", "builtin-bound-method", "lambda"]
 HOLDING_IDS += ["closure", "default", "keyword-default", "closure-of-a-closure", "partial-func"]
 HOLDING_IDS += ["partial-args", "partial-keywords", "bound-method-in-list"]
@@ -328,14 +334,33 @@ def test_record_holding_a_weak_reference_or_a_cyclic_list_is_accepted() -> None:
         assert holding.state(module).value is value
 
 
+def _with_an_empty_cell(*, fill: bool = False) -> Callable[[], object]:
+    """A function whose closure cell is not filled (unless ``fill``): its variable comes later."""
+
+    def read() -> object:
+        return later
+
+    if not fill:
+        return read
+    later = 1
+    return read
+
+
+def test_record_holding_a_function_with_an_unfilled_closure_cell_is_accepted() -> None:
+    module = nn.Linear(1, 1)
+    holding(module)
+    function = _with_an_empty_cell()
+    holding.set_state(module, Holder(function))
+    assert holding.state(module).value is function
+
+
 def test_state_class_whose_default_holds_a_module_is_refused_at_decoration() -> None:
     @attrs.frozen
     class Owning:
         inner: tuple[nn.Module, ...] = attrs.field(factory=lambda: (nn.Linear(1, 1),))
 
-    with pytest.raises(
-        InvalidStateClassError, match=r"field 'inner' of .*Owning holds an nn\.Module"
-    ):
+    words = r"^contract\(.*Owning\): field 'inner' of .*Owning holds an nn\.Module"
+    with pytest.raises(InvalidStateClassError, match=words):
         contract(Owning)
 
 

@@ -23,6 +23,7 @@ from torchcontract import (
     InvalidResultError,
     InvalidStateClassError,
     InvalidTargetError,
+    NotAppliedError,
     contract,
     registry,
 )
@@ -362,6 +363,42 @@ def _make_feature() -> Contract[[nn.Module], nn.Module, CountState]:
         feature.update(module, bump)
 
     return feature
+
+
+def test_contract_keeps_the_attributes_set_on_its_function() -> None:
+    def tagged(module: nn.Module) -> None:
+        """Tagged."""
+
+    tagged.__dict__["owner"] = "team-a"
+    api = contract()(tagged)
+    assert api.__dict__["owner"] == "team-a"
+    assert api.__doc__ == "Tagged."
+    assert api.__dict__["__wrapped__"] is tagged
+
+
+def test_state_of_a_contract_made_at_run_time_names_it_and_the_module_when_not_applied() -> None:
+    def made_late(module: nn.Module) -> None:
+        pass
+
+    api = contract()(made_late)
+    with pytest.raises(NotAppliedError) as info:
+        api.state(nn.Linear(1, 1))
+    assert str(info.value) == (
+        f"{api.name} is not applied to Linear; apply it first, "
+        "or use get_state() to get None instead"
+    )
+    assert info.value.__cause__ is None
+    assert info.value.__suppress_context__
+
+
+def test_arguments_of_a_contract_made_at_run_time_are_bound_by_name() -> None:
+    def made_late(module: nn.Module, size: int, *, mode: str = "fast") -> None:
+        pass
+
+    api = contract()(made_late)
+    module = nn.Linear(1, 1)
+    api(module, 3)
+    assert dict(registry(module)[api].arguments) == {"size": 3, "mode": "fast"}
 
 
 def test_contracts_whose_functions_share_a_name_are_independent() -> None:

@@ -1,14 +1,17 @@
 """An API function that raises at any step, with any exception: nothing it wrote survives.
 
-Every test compares the full contents of every store and of the registry, for every
-module of the model, before and after the failed apply (the same objects, in the
-same order), then shows that a retry works and that the write lock is free.
+Every test compares everything a user can observe, for every module of the model,
+before and after the failed apply: the records of every store and the registry
+entries (the same objects, in the same order), what ``state``, ``get_state`` and
+``is_applied`` answer for every API, and ``len(store)``; then shows that a retry
+works and that the write lock is free.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import pytest
@@ -16,7 +19,10 @@ from strategies import Count, bump, contents, run_alone
 from torch import nn
 
 from torchcontract import (
+    Application,
+    Contract,
     Incompatible,
+    NotAppliedError,
     RegistryEntry,
     StateStore,
     contract,
@@ -87,6 +93,7 @@ def faulty(module: nn.Module, *, fail_at: str | None, error: type[BaseException]
         if step == fail_at:
             raise error(f"fault at {step}")
 
+    handles.append(faulty.application(module))
     done()
     module.register_forward_pre_hook(_noop_hook)
     done()
@@ -106,6 +113,9 @@ def faulty(module: nn.Module, *, fail_at: str | None, error: type[BaseException]
     done()
 
 
+handles: list[Application[Count]] = []  # what faulty's hooks would hold, per call
+
+
 def _prepared() -> nn.Sequential:
     """A model with records already in place for ``other`` and ``elsewhere``."""
     model = nn.Sequential(nn.Linear(1, 1), nn.Sequential(nn.Linear(1, 1)))
@@ -123,10 +133,39 @@ def test_fault_at_any_step_restores_every_store_and_the_registry(
     step: str, error: type[BaseException]
 ) -> None:
     model = _prepared()
-    before = contents(model, STORES)
+    before = contents(model, STORES, APIS)
     with pytest.raises(error, match=f"^fault at {step}$"):
         faulty(model, fail_at=step, error=error)
-    assert contents(model, STORES) == before
+    assert contents(model, STORES, APIS) == before
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_reads_after_a_fault_answer_as_if_the_apply_never_ran(step: str) -> None:
+    model = _prepared()
+    leaf = model.get_submodule("1.0")
+    sizes = (len(STORE), len(ELSEWHERE))
+    with pytest.raises(KeyboardInterrupt):
+        faulty(model, fail_at=step, error=KeyboardInterrupt)
+    assert not faulty.is_applied(model)
+    assert faulty.get_state(model) is None
+    with pytest.raises(NotAppliedError, match="faulty is not applied to Sequential"):
+        faulty.state(model)
+    for module in (model, model[1], leaf):
+        assert not nested.is_applied(module)
+        assert nested.get_state(module) is None
+    assert not deep.is_applied(leaf)
+    assert other.state(model[0]) == Count(7)
+    assert elsewhere.state(model) == Count(1)
+    assert (len(STORE), len(ELSEWHERE)) == sizes
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_handle_taken_in_a_failed_apply_answers_none(step: str) -> None:
+    model = _prepared()
+    handles.clear()
+    with pytest.raises(KeyboardInterrupt):
+        faulty(model, fail_at=step, error=KeyboardInterrupt)
+    assert [handle.record(model) for handle in handles] == [None]
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -170,10 +209,10 @@ def faulty_pair(modules: Sequence[nn.Module], *, fail: bool) -> None:
 def test_fault_in_a_list_apply_restores_every_root() -> None:
     roots = [_prepared(), _prepared()]
     model = nn.ModuleList(roots)  # only to snapshot both trees at once
-    before = contents(model, STORES)
+    before = contents(model, STORES, APIS)
     with pytest.raises(Abort, match="fault after both roots"):
         faulty_pair(roots, fail=True)
-    assert contents(model, STORES) == before
+    assert contents(model, STORES, APIS) == before
     faulty_pair(roots, fail=False)
     assert faulty_pair.state(roots[0]) is faulty_pair.state(roots[1])
     assert [other.state(root) for root in roots] == [Count(1), Count(1)]
@@ -181,14 +220,14 @@ def test_fault_in_a_list_apply_restores_every_root() -> None:
 
 def test_fault_in_an_update_transition_keeps_the_record_and_frees_the_lock() -> None:
     model = _prepared()
-    before = contents(model, STORES)
+    before = contents(model, STORES, APIS)
 
     def interrupted(record: Count) -> Count:
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
         other.update(model, interrupted)
-    assert contents(model, STORES) == before
+    assert contents(model, STORES, APIS) == before
     assert run_alone(lambda: other.update(model, bump)).error is None
 
 
@@ -203,10 +242,10 @@ def ruled(module: nn.Module) -> None:
 
 def test_fault_in_a_rule_predicate_installs_nothing_and_frees_the_lock() -> None:
     model = _prepared()
-    before = contents(model, STORES)
+    before = contents(model, STORES, APIS)
     with pytest.raises(Abort, match="rule predicate failed"):
         ruled(model)
-    assert contents(model, STORES) == before
+    assert contents(model, STORES, APIS) == before
     assert run_alone(lambda: ruled(nn.Linear(1, 1))).error is None
 
 
@@ -229,16 +268,29 @@ def fragile(module: nn.Module) -> None:
     pass
 
 
+#: Every API of this file: what each one reads is compared before and after a fault.
+APIS: tuple[Contract[..., Any, Any], ...] = (
+    other,
+    elsewhere,
+    nested,
+    deep,
+    faulty,
+    faulty_pair,
+    ruled,
+    fragile,
+)
+
+
 def test_fault_building_the_default_record_installs_nothing() -> None:
     model = _prepared()
-    before = contents(model, STORES)
+    before = contents(model, STORES, APIS)
     _defaults_fail.set()
     try:
         with pytest.raises(Abort, match="default failed"):
             fragile(model)
     finally:
         _defaults_fail.clear()
-    assert contents(model, STORES) == before
+    assert contents(model, STORES, APIS) == before
     fragile(model)
     assert fragile.state(model) == Fragile(0)
 

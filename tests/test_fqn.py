@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from torchcontract import ContractError, FQNChangedError, FQNSnapshot, take_snapshot
-from torchcontract._fqn import check_strict, check_unchanged
+from torchcontract._fqn import check_strict, check_unchanged, descendants
 
 
 def _label(module: nn.Module) -> str:
@@ -191,6 +191,20 @@ def test_a_name_repeated_more_often_is_counted() -> None:
     assert "module FQNs of Module: 1 names before, 2 after" in message
 
 
+def test_a_listing_one_name_too_long_ends_with_one_more() -> None:
+    names = [f"p{index}" for index in range(9)]
+    message = _check(take_snapshot(_with_parameters()), take_snapshot(_with_parameters(*names)))
+    shown = ", ".join(repr(name) for name in names[:8])
+    assert f"only after: [{shown}, ... and 1 more]" in message
+
+
+def test_a_listing_of_eight_names_shows_them_all() -> None:
+    names = [f"p{index}" for index in range(8)]
+    message = _check(take_snapshot(_with_parameters()), take_snapshot(_with_parameters(*names)))
+    shown = ", ".join(repr(name) for name in names)
+    assert f"only after: [{shown}]" in message
+
+
 def test_long_listings_end_with_how_many_more() -> None:
     names = [f"p{index}" for index in range(11)]
     message = _check(take_snapshot(_with_parameters()), take_snapshot(_with_parameters(*names)))
@@ -340,3 +354,9 @@ def test_strict_check_reports_the_first_offending_module_in_order() -> None:
     model[1].__class__ = Other
     with pytest.raises(ContractError, match="assigned forward on the instance of Linear at '0'"):
         check_strict("api", _label, before, take_snapshot(model))
+
+
+def test_descendants_lists_a_module_shared_by_two_paths_once() -> None:
+    shared = nn.Linear(1, 1)
+    root = nn.Sequential(shared, nn.Sequential(shared))
+    assert [id(module) for module in descendants(root)] == [id(shared), id(root[1])]

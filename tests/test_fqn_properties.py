@@ -23,6 +23,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from strategies import examples
 from torch import nn
 
 from torchcontract import FQNChangedError, contract, take_snapshot
@@ -32,7 +33,9 @@ _T = TypeVar("_T")
 NAMES = ("a", "b", "c", "w")  # few names, so that mutations hit existing ones
 MAX_DEPTH = 3
 MAX_CHILDREN = 3
-EXAMPLES = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+EXAMPLES = settings(
+    max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 Names = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]]
 
@@ -633,10 +636,10 @@ def rich_tree(pools: Pools) -> nn.Module:
     root.heads = nn.ModuleDict({"a": nn.Linear(1, 1), "b": nn.Module()})
     root.scales = nn.ParameterList([nn.Parameter(torch.zeros(1)) for _ in range(2)])
     root.gains = nn.ParameterDict({"a": nn.Parameter(torch.zeros(1))})
-    root.register_parameter("pa", nn.Parameter(torch.zeros(1)))
     root.register_parameter("pb", None)
-    root.register_buffer("ba", torch.zeros(1))
+    root.register_parameter("pa", nn.Parameter(torch.zeros(1)))
     root.register_buffer("bb", None)
+    root.register_buffer("ba", torch.zeros(1))
     root.register_module("gone", None)
     root.heads["b"].tied = root.embed.weight
     pools.modules += list(root.modules())
@@ -662,6 +665,142 @@ def test_every_mutation_kind_raises_exactly_when_torch_names_change(kind: str, s
     assert applied == [kind]
     assert_raised_exactly_on_change(error, before, torch_names(root))
     assert snapshot_names(root) == torch_names(root)
+
+
+# ----------------------------------------------------------------- swapped objects, fixed cases
+#
+# The snapshot comparison takes a shortcut when both walks copied the same tree,
+# keys and member ids. Each case below keeps every name in place and changes only
+# which object (or None) sits under a name, or which module a name sits under, so
+# that a shortcut that ignores ids, counts, depths or names misses it. Fixed, not
+# drawn: CI's derandomized hypothesis profile must fail without luck.
+
+
+def _with_members() -> nn.Module:
+    root = nn.Module()
+    root.register_parameter("pb", None)
+    root.register_parameter("pa", nn.Parameter(torch.zeros(1)))
+    root.register_buffer("bb", None)
+    root.register_buffer("ba", torch.zeros(1))
+    child, grandchild = nn.Module(), nn.Linear(1, 1)
+    root.register_module("a", child)
+    child.register_module("b", grandchild)
+    tied = grandchild.weight
+    assert isinstance(tied, nn.Parameter)
+    child.register_parameter("tied", tied)
+    root.scales = nn.ParameterList([nn.Parameter(torch.zeros(1)) for _ in range(2)])
+    return root
+
+
+def _move(source: dict[str, _T], target: dict[str, _T], name: str) -> None:
+    """Move the last entry of ``source`` to the front of ``target``: the same keys in order."""
+    entries = [(name, source.pop(name)), *target.items()]
+    target.clear()
+    target.update(entries)
+
+
+def _rename(members: dict[str, _T], old: str, new: str) -> None:
+    """Rename ``old`` to ``new`` in place, keeping its position and its object."""
+    entries = [(new if name == old else name, value) for name, value in members.items()]
+    members.clear()
+    members.update(entries)
+
+
+def _hoist(root: nn.Module) -> None:
+    """Move ``a.b`` up to ``b``, right after ``a``: the same pre-order names, at another depth."""
+    hoisted = root.get_submodule("a")._modules.pop("b")
+    entries = list(root._modules.items())
+    root._modules.clear()
+    for name, module in entries:
+        root._modules[name] = module
+        if name == "a":
+            root._modules["b"] = hoisted
+
+
+def _scales(root: nn.Module) -> nn.ParameterList:
+    scales = root.scales
+    assert isinstance(scales, nn.ParameterList)
+    return scales
+
+
+#: name -> (the change, the kind of FQN it changes or None when every name stays).
+SWAPS: dict[str, tuple[Callable[[nn.Module], None], str | None]] = {
+    "buffer set to None": (lambda root: setattr(root, "ba", None), "buffer"),
+    "None buffer set to a tensor": (lambda root: setattr(root, "bb", torch.zeros(1)), "buffer"),
+    "buffer set to a new tensor": (lambda root: setattr(root, "ba", torch.zeros(1)), None),
+    "_buffers entry set to None": (lambda root: root._buffers.update(ba=None), "buffer"),
+    "None _buffers entry set to a tensor": (
+        lambda root: root._buffers.update(bb=torch.zeros(1)),
+        "buffer",
+    ),
+    "buffer registered again as None": (lambda root: root.register_buffer("ba", None), "buffer"),
+    "parameter set to None": (lambda root: setattr(root, "pa", None), "parameter"),
+    "None parameter set to a parameter": (
+        lambda root: setattr(root, "pb", nn.Parameter(torch.zeros(1))),
+        "parameter",
+    ),
+    "parameter set to a new parameter": (
+        lambda root: setattr(root, "pa", nn.Parameter(torch.zeros(1))),
+        None,
+    ),
+    "parameter tied to another": (
+        lambda root: setattr(root, "pa", root.get_parameter("a.b.bias")),
+        "parameter",
+    ),
+    "tied parameter untied": (
+        lambda root: setattr(root.get_submodule("a"), "tied", nn.Parameter(torch.zeros(1))),
+        "parameter",
+    ),
+    "_parameters entry set to None": (lambda root: root._parameters.update(pa=None), "parameter"),
+    "ParameterList item tied to another": (
+        lambda root: _scales(root).__setitem__(0, _scales(root)[1]),
+        "parameter",
+    ),
+    "parameter renamed, same object": (
+        lambda root: _rename(root._parameters, "pa", "pz"),
+        "parameter",
+    ),
+    "buffer renamed, same tensor": (lambda root: _rename(root._buffers, "ba", "bz"), "buffer"),
+    "child renamed, same module": (lambda root: _rename(root._modules, "a", "z"), "parameter"),
+    "parameter moved into a child under its name": (
+        lambda root: _move(root._parameters, root.get_submodule("a")._parameters, "pa"),
+        "parameter",
+    ),
+    "buffer moved into a child under its name": (
+        lambda root: _move(root._buffers, root.get_submodule("a")._buffers, "ba"),
+        "buffer",
+    ),
+    "grandchild moved up a level under its name": (_hoist, "parameter"),
+}
+
+
+@pytest.mark.parametrize("name", list(SWAPS))
+def test_swapped_member_inside_an_apply_raises_exactly_when_torch_names_change(name: str) -> None:
+    change, kind = SWAPS[name]
+    root = _with_members()
+    outer(root)
+    before = torch_names(root)
+    error = apply_changing(root, lambda: change(root))
+    after = torch_names(root)
+    assert_raised_exactly_on_change(error, before, after)
+    assert (error is not None) == (kind is not None)
+    if error is not None:
+        assert f"changed the {kind} FQNs" in str(error)
+
+
+@pytest.mark.parametrize("name", list(SWAPS))
+def test_swapped_member_between_two_snapshots_is_seen_by_the_second(name: str) -> None:
+    change, kind = SWAPS[name]
+    root = _with_members()
+    first = take_snapshot(root)
+    change(root)
+    second = take_snapshot(root)
+    assert not first.same_as(second)
+    assert snapshot_names(root) == torch_names(root)
+    assert (kind is None) == (
+        (first.parameters, first.buffers, first.module_fqns)
+        == (second.parameters, second.buffers, second.module_fqns)
+    )
 
 
 def test_a_change_between_two_applies_is_seen_by_the_second() -> None:

@@ -114,34 +114,34 @@ def test_api_applying_itself_to_every_child_applies_once_per_module() -> None:
 
 def test_inner_api_changing_fqns_raises_from_the_inner_call_and_installs_nothing() -> None:
     model = _model()
-    before = contents(model, [STORE])
+    before = contents(model, [STORE], [outer, inner])
     seen: list[Exception] = []
     with pytest.raises(FQNChangedError, match="inner changed the parameter FQNs") as caught:
         outer(model, child="0", inner_grow=True, seen=seen)
     assert seen == [caught.value]
     assert "only after: ['extra']" in str(caught.value)
-    assert contents(model, [STORE]) == before
+    assert contents(model, [STORE], [outer, inner]) == before
 
 
 def test_outer_api_sees_fqn_changes_of_an_inner_api_whose_error_it_swallowed() -> None:
     model = _model()
-    before = contents(model, [STORE])
+    before = contents(model, [STORE], [outer, inner])
     seen: list[Exception] = []
     with pytest.raises(FQNChangedError, match="outer changed the parameter FQNs") as caught:
         outer(model, child="0", inner_grow=True, seen=seen, reraise=False)
     assert [type(error) for error in seen] == [FQNChangedError]
     assert "only after: ['0.extra']" in str(caught.value)
-    assert contents(model, [STORE]) == before
+    assert contents(model, [STORE], [outer, inner]) == before
 
 
 def test_outer_api_changing_fqns_after_an_inner_apply_rolls_the_inner_one_back() -> None:
     model = _model()
-    before = contents(model, [STORE])
+    before = contents(model, [STORE], [outer, inner])
     with pytest.raises(FQNChangedError, match="outer changed the buffer FQNs") as caught:
         outer(model, child="0", grow_after=True)
     assert "only after: ['late']" in str(caught.value)
     assert not inner.is_applied(model[0])
-    assert contents(model, [STORE]) == before
+    assert contents(model, [STORE], [outer, inner]) == before
 
 
 def test_inner_failure_swallowed_by_outer_leaves_only_outer_applied() -> None:
@@ -160,6 +160,9 @@ def test_nested_apply_in_another_store_is_rolled_back_with_the_outer_one() -> No
         wraps_isolated(model)
     assert len(ELSEWHERE) == 0
     assert list(registry(model)) == []
+    assert not isolated.is_applied(model)
+    assert isolated.get_state(model) is None
+    assert not wraps_isolated.is_applied(model)
 
 
 def test_api_applying_itself_to_the_same_module_raises_already_applied_without_deadlock() -> None:

@@ -120,6 +120,14 @@ def test_entry_arguments_bind_every_parameter_with_defaults_filled_in() -> None:
     assert dict(entry.arguments) == {"depth": 2, "mode": "full", "tag": None}
 
 
+def test_entry_arguments_bind_positional_arguments_by_name() -> None:
+    layer = nn.Linear(2, 2)
+    layered(layer, 3, tag="x")
+    entry = registry(layer)[layered]
+    assert entry.args == (3,)
+    assert dict(entry.arguments) == {"depth": 3, "mode": "full", "tag": "x"}
+
+
 def test_entry_kwargs_cannot_be_written_through() -> None:
     layer = nn.Linear(2, 2)
     layered(layer, 1, mode="light")

@@ -208,8 +208,9 @@ def test_update_returning_another_record_class_raises_and_keeps_the_record() -> 
     before = scale.state(layer)
     with pytest.raises(InvalidRecordError) as info:
         untyped(scale.update)(layer, lambda record: OtherState())
-    assert f"{scale.name}.update: expected a record of class ScaleState, got OtherState" in str(
-        info.value
+    assert str(info.value) == (
+        f"{scale.name}.update: expected a record of class ScaleState, got OtherState for Linear; "
+        "build one with attrs.evolve(record, ...)"
     )
     assert scale.state(layer) is before
 

@@ -10,6 +10,7 @@ import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import examples
 from torch import nn
 
 from torchcontract import (
@@ -79,7 +80,7 @@ def test_len_counts_modules_not_records() -> None:
     assert len(store) == 1
 
 
-@settings(max_examples=20)  # each example runs a full gc.collect()
+@settings(max_examples=examples(20))  # each example runs a full gc.collect()
 @given(alive=st.lists(st.booleans(), max_size=12))
 def test_len_is_the_number_of_live_modules_holding_records(alive: list[bool]) -> None:
     store = StateStore()

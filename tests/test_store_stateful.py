@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from strategies import Count, bump
+from strategies import Count, bump, examples, steps
 from torch import nn
 
 from torchcontract import (
@@ -237,6 +237,17 @@ class StoreMachine(RuleBasedStateMachine):
             assert list(self.store.records(module).items()) == expected
             assert list(registry(module)) == [self.apis[index] for index in order]
             assert not self.faulty.is_applied(module)
+            assert self.faulty.get_state(module) is None
+
+    @invariant()
+    def lock_free_reads_agree_with_the_model(self) -> None:
+        for handle in self._live():
+            module = self._module(handle)
+            for index, api in enumerate(self.apis):
+                applied = self._applied(handle, index)
+                assert api.is_applied(module) == applied
+                expected = Count(self.cells[handle, index].n) if applied else None
+                assert api.get_state(module) == expected
 
     @invariant()
     def roots_of_one_list_apply_share_one_record(self) -> None:
@@ -255,8 +266,8 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 StoreMachine.TestCase.settings = settings(
-    max_examples=100,
-    stateful_step_count=30,
+    max_examples=examples(100),
+    stateful_step_count=steps(30),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -241,6 +241,49 @@ def test_apply_to_a_cyclic_tree_names_the_api_the_class_and_the_path_closing_the
 
 
 @pytest.mark.timeout(30)
+def test_cycle_below_the_root_names_the_path_of_the_module_it_returns_to() -> None:
+    inner = nn.Sequential(nn.Linear(3, 3))
+    model = nn.Sequential(nn.ReLU(), nn.Sequential(inner))
+    inner.back = model[1]
+    with pytest.raises(CyclicModuleTreeError) as info:
+        second(model)
+    assert "Sequential at '1.0.back' is the module at '1' again" in str(info.value)
+
+
+@pytest.mark.timeout(30)
+def test_cyclic_tree_error_is_found_past_a_module_shared_by_two_paths() -> None:
+    shared, looped = nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 3))
+    looped.back = looped
+    closing = r"Sequential at '2\.back' is the module at '2' again"
+    with pytest.raises(CyclicModuleTreeError, match=closing):
+        second(nn.Sequential(shared, shared, looped))
+
+
+@pytest.mark.timeout(30)
+def test_cyclic_tree_error_message_in_full() -> None:
+    with pytest.raises(CyclicModuleTreeError) as info:
+        second(_cyclic())
+    assert str(info.value) == (
+        "test_unusual_trees.second: the module tree of Sequential has a cycle: Sequential at "
+        "'0.back' is the module at the root again, so named_modules(), state_dict() and the "
+        "FQN check never end; remove that reference from the tree (keep a weakref.ref to the "
+        "module instead)"
+    )
+
+
+@pytest.mark.timeout(30)
+def test_cyclic_tree_error_names_the_target_by_its_label() -> None:
+    model = nn.Sequential(nn.Sequential(nn.Linear(3, 3)))
+    second(model)  # registered: a module inside it is labelled by its path
+    model[0].back = model[0]
+    with pytest.raises(CyclicModuleTreeError) as info:
+        second(model[0])
+    assert str(info.value).startswith(
+        "test_unusual_trees.second: the module tree of Sequential '0' of Sequential has a cycle"
+    )
+
+
+@pytest.mark.timeout(30)
 def test_apply_to_a_module_inside_a_cycle_names_the_path_from_that_module() -> None:
     parent = _cyclic()
     with pytest.raises(CyclicModuleTreeError, match=r"Sequential at 'back\.0' is the module at"):
@@ -269,6 +312,11 @@ def test_a_tree_too_deep_to_walk_is_a_contract_error_not_a_recursion_error() -> 
     with pytest.raises(ContractError, match="nested deeper than Python's recursion limit") as info:
         second(deep)
     assert not isinstance(info.value, CyclicModuleTreeError)
+    assert str(info.value) == (
+        "test_unusual_trees.second: the module tree of Sequential is nested deeper than "
+        f"Python's recursion limit ({sys.getrecursionlimit()}) lets named_modules() and "
+        "state_dict() walk it; flatten it, or raise the limit with sys.setrecursionlimit"
+    )
     assert not second.is_applied(deep)
 
 
