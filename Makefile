@@ -23,6 +23,7 @@ typecheck: $(BIN)/.installed
 	$(BIN)/basedpyright
 
 unit: $(BIN)/.installed
+	@$(BIN)/python -c 'import platform, torch; print(f"testing against torch {torch.__version__} (Python {platform.python_version()})")'
 	$(BIN)/pytest -q
 
 demo: $(BIN)/.installed

@@ -231,6 +231,38 @@ def _record_lines(rank: int, model: GPT) -> list[str]:
     return lines
 
 
+def _train_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    settings: Settings,
+    rank: int,
+    world_size: int,
+    *,
+    first_loss: Tensor,
+) -> list[float]:
+    """Train ``settings.steps`` steps, the first one's backward already done; the mean losses.
+
+    Rank 0 draws the progress bar.
+    """
+    bar = _ProgressBar(settings.steps) if rank == 0 else None
+    losses: list[float] = []
+    loss = first_loss
+    for step in range(settings.steps):
+        if step > 0:
+            tokens, targets = synthetic_batch(settings.config, settings.batch, rank, step)
+            manual_seed(1_000_000 * rank + step)
+            loss = _loss(model, tokens, targets)
+            torch.autograd.backward(loss)
+        optimizer_step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        mean = loss.detach().clone()
+        all_reduce_blocking(mean)
+        losses.append(float(mean) / world_size)
+        if bar is not None:
+            bar.show(step + 1, losses[-1])
+    return losses
+
+
 @attrs.frozen
 class Outcome:
     """What one rank saw: the loss (averaged over ranks) first and last, and the DDP gap."""
@@ -253,25 +285,11 @@ def train(rank: int, world_size: int, settings: Settings) -> Outcome:
         checkpoint(block)
     replicate(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate)
-    bar = _ProgressBar(settings.steps) if rank == 0 else None
-    losses: list[float] = []
 
     tokens, targets = synthetic_batch(config, settings.batch, rank, 0)
     loss, gap = _compare_with_ddp(model, reference, tokens, targets, seed=rank)
     del reference
-    for step in range(settings.steps):
-        if step > 0:
-            tokens, targets = synthetic_batch(config, settings.batch, rank, step)
-            manual_seed(1_000_000 * rank + step)
-            loss = _loss(model, tokens, targets)
-            torch.autograd.backward(loss)
-        optimizer_step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-        mean = loss.detach().clone()
-        all_reduce_blocking(mean)
-        losses.append(float(mean) / world_size)
-        if bar is not None:
-            bar.show(step + 1, losses[-1])
+    losses = _train_steps(model, optimizer, settings, rank, world_size, first_loss=loss)
 
     lines = all_gather_objects(_record_lines(rank, model))
     if rank == 0:
@@ -344,8 +362,6 @@ def train_sharded(rank: int, world_size: int, settings: Settings) -> ShardedOutc
     if compare:
         torch_fully_shard(reference, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate)
-    bar = _ProgressBar(settings.steps) if rank == 0 else None
-    losses: list[float] = []
 
     tokens, targets = synthetic_batch(config, settings.batch, rank, 0)
     if compare:
@@ -356,19 +372,7 @@ def train_sharded(rank: int, world_size: int, settings: Settings) -> ShardedOutc
         torch.autograd.backward(loss)
         gap = math.nan
     del reference
-    for step in range(settings.steps):
-        if step > 0:
-            tokens, targets = synthetic_batch(config, settings.batch, rank, step)
-            manual_seed(1_000_000 * rank + step)
-            loss = _loss(model, tokens, targets)
-            torch.autograd.backward(loss)
-        optimizer_step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-        mean = loss.detach().clone()
-        all_reduce_blocking(mean)
-        losses.append(float(mean) / world_size)
-        if bar is not None:
-            bar.show(step + 1, losses[-1])
+    losses = _train_steps(model, optimizer, settings, rank, world_size, first_loss=loss)
     local = _local_bytes(model)
     sizes = all_gather_objects(local)
     if rank == 0:
