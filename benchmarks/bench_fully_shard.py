@@ -20,17 +20,12 @@ parameters, for both libraries.
 
 from __future__ import annotations
 
-import statistics
-import threading
-import time
 from collections.abc import Iterator
-from datetime import timedelta
 
 import pytest
 import torch
 from pytest_benchmark.fixture import BenchmarkFixture
 from torch import Tensor, nn
-from torch._C._distributed_c10d import TCPStore  # torch.distributed does not re-export it for mypy
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
@@ -38,18 +33,13 @@ from torch.nn import functional
 
 from torchcontract.apis import fully_shard
 from torchcontract.demo import GPT, GPTConfig, synthetic_batch
-from torchcontract.testing import free_port, run_distributed
 
 from .harness import label
+from .ranks import WORLD_SIZE, ServingRanks, connect, serve_steps, serving, time_steps
 
-WORLD_SIZE = 2
-ROUNDS = 40
-WARMUP_ROUNDS = 5
-ALTERNATING_ROUNDS = 30
 BATCH = 16
 CONFIG = GPTConfig(dropout=0.0)
 NAMES = ("torchcontract", "torch")
-_TIMEOUT = timedelta(seconds=120)
 
 
 def _step(
@@ -63,8 +53,8 @@ def _step(
 
 
 def _serve(rank: int, world_size: int, port: int) -> int:
-    """A rank's loop: run the step the store asks for, until it asks to stop; rounds served."""
-    store = TCPStore("127.0.0.1", port, is_master=False, timeout=_TIMEOUT)
+    """A rank: shard both models, then run the steps the driver asks for; rounds served."""
+    store = connect(port)
     mesh = init_device_mesh("cpu", (world_size,))
     torch.manual_seed(0)
     ours = GPT(CONFIG)
@@ -81,15 +71,9 @@ def _serve(rank: int, world_size: int, port: int) -> int:
         store.set(f"bytes/{name}/{rank}", repr(_local_bytes(model)))
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
     tokens, targets = synthetic_batch(CONFIG, BATCH, rank, 0)
-    served = 0
-    while True:
-        command = store.get(f"go/{served}").decode()
-        if command == "stop":
-            return served
-        started = time.perf_counter()
-        _step(models[command], optimizers[command], tokens, targets)
-        store.set(f"done/{served}/{rank}", repr(time.perf_counter() - started))
-        served += 1
+    return serve_steps(
+        store, rank, lambda name: _step(models[name], optimizers[name], tokens, targets)
+    )
 
 
 def _local_bytes(model: nn.Module) -> int:
@@ -100,65 +84,14 @@ def _local_bytes(model: nn.Module) -> int:
     )
 
 
-class _Ranks:
-    """Two serving ranks, run by ``run_distributed`` in a thread, driven through a TCP store."""
-
-    def __init__(self) -> None:
-        port = free_port()
-        self.store = TCPStore(
-            "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=_TIMEOUT
-        )
-        self.round = 0
-        self.in_rank: dict[str, list[float]] = {name: [] for name in NAMES}
-        self.error: BaseException | None = None
-        self.alternating: dict[str, float] = {}
-        self.thread = threading.Thread(target=self._run, args=(port,), daemon=True)
-        self.thread.start()
-
-    def _run(self, port: int) -> None:
-        try:
-            run_distributed(_serve, WORLD_SIZE, timeout=600.0, args=(port,), threads_per_rank=1)
-        except BaseException as error:
-            self.error = error
-
-    def step(self, name: str) -> None:
-        """One training step of ``name``'s model on every rank; returns when all are done."""
-        keys = [f"done/{self.round}/{rank}" for rank in range(WORLD_SIZE)]
-        self.store.set(f"go/{self.round}", name)
-        self.round += 1
-        self.store.wait(keys, _TIMEOUT)
-        self.in_rank[name].append(max(float(self.store.get(key)) for key in keys))
-
-    def alternate(self, rounds: int) -> dict[str, float]:
-        """Median in-rank step time of each library over ``rounds`` alternating steps each."""
-        first = {name: len(self.in_rank[name]) for name in NAMES}
-        for _ in range(WARMUP_ROUNDS + rounds):
-            for name in NAMES:
-                self.step(name)
-        return {
-            name: statistics.median(self.in_rank[name][first[name] + WARMUP_ROUNDS :])
-            for name in NAMES
-        }
-
-    def stop(self) -> None:
-        self.store.set(f"go/{self.round}", "stop")
-        self.thread.join(60.0)
-        if self.error is not None:
-            raise self.error
-
-
 @pytest.fixture(scope="module")
-def ranks() -> Iterator[_Ranks]:
-    serving = _Ranks()
-    try:
-        serving.alternating = serving.alternate(ALTERNATING_ROUNDS)
-        yield serving
-    finally:
-        serving.stop()
+def ranks() -> Iterator[ServingRanks]:
+    with serving(_serve, NAMES) as serving_ranks:
+        yield serving_ranks
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_training_step(benchmark: BenchmarkFixture, ranks: _Ranks, name: str) -> None:
+def test_training_step(benchmark: BenchmarkFixture, ranks: ServingRanks, name: str) -> None:
     """Forward and backward sharded over 2 gloo ranks, and an SGD step."""
     label(
         benchmark,
@@ -168,16 +101,7 @@ def test_training_step(benchmark: BenchmarkFixture, ranks: _Ranks, name: str) ->
         parameters=sum(p.numel() for p in GPT(CONFIG).parameters()),
         batch=BATCH,
     )
-    first = len(ranks.in_rank[name])
-    benchmark.pedantic(
-        ranks.step, args=(name,), rounds=ROUNDS, warmup_rounds=WARMUP_ROUNDS, iterations=1
-    )
-    timed = ranks.in_rank[name][first + WARMUP_ROUNDS :]
-    benchmark.extra_info["in_rank_median_ms"] = round(statistics.median(timed) * 1e3, 3)
-    benchmark.extra_info["alternating_median_ms"] = round(ranks.alternating[name] * 1e3, 3)
-    benchmark.extra_info["alternating_ratio_to_torch"] = round(
-        ranks.alternating[name] / ranks.alternating["torch"], 3
-    )
+    time_steps(benchmark, ranks, name, "torch")
     benchmark.extra_info["parameter_bytes_per_rank"] = max(
         int(ranks.store.get(f"bytes/{name}/{rank}")) for rank in range(WORLD_SIZE)
     )

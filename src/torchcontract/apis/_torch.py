@@ -28,6 +28,7 @@ __all__ = [
     "broadcast",
     "checkpoint_generator",
     "checkpoint_is_valid",
+    "copy_each",
     "current_graph_task_id",
     "device_module_initialized",
     "fork_rng",
@@ -124,6 +125,17 @@ def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
 def to_bools(tensor: Tensor) -> list[bool]:
     """The elements of a 1-D boolean tensor, in one device-to-host copy."""
     return cast(Callable[[], list[bool]], tensor.tolist)()
+
+
+# torch does not export its foreach kernels for type checkers; read it from the module.
+_foreach_copy: Final = cast(
+    Callable[[list[Tensor], list[Tensor]], object], vars(torch)["_foreach_copy_"]
+)
+
+
+def copy_each(targets: list[Tensor], sources: list[Tensor]) -> None:
+    """``target.copy_(source)`` for every pair, in one call."""
+    _foreach_copy(targets, sources)
 
 
 def to_ints(tensor: Tensor) -> list[int]:

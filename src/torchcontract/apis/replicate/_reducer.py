@@ -181,11 +181,35 @@ class Reducer:
         views = self._views[position]
         if views is None:
             views = self._allocate(position)
-        # As DDP: scale by the reciprocal while copying into the bucket (one pass, and
-        # bit-equal averages).
+        # As DDP: multiply by the reciprocal (bit-equal averages). A small bucket whose
+        # gradients are all present and dense takes one cat and one in-place multiply,
+        # both in C (a Python call per parameter would cost more than the second pass);
+        # a large one is scaled while copied in, in one pass, parameter by parameter.
         scale = 1.0 / self._group.size()
-        for index, view in zip(bucket, views, strict=False):
-            grad = self._parameter(index).grad
+        flat = self._flats[position]
+        flags = torch.tensor(
+            [1.0 if self._used[index] else 0.0 for index in bucket], dtype=flat.dtype
+        )
+        grads = [self._parameter(index).grad for index in bucket]
+        dense = [grad for grad in grads if grad is not None and not grad.is_sparse]
+        small = flat.numel() * flat.element_size() <= FIRST_BUCKET_BYTES
+        if small and len(dense) == len(grads):
+            torch.cat([*(grad.reshape(-1) for grad in dense), flags], out=flat)
+            flat.mul_(scale)
+        else:
+            self._copy_in(bucket, grads, views, scale)
+            views[-1].copy_(flags.mul_(scale))
+        self._launched.append((position, _torch.all_reduce(flat, self._group)))
+
+    def _copy_in(
+        self,
+        bucket: Sequence[int],
+        grads: Sequence[Tensor | None],
+        views: Sequence[Tensor],
+        scale: float,
+    ) -> None:
+        """Copy scaled gradients into the bucket one by one: zeros where there is none."""
+        for index, grad, view in zip(bucket, grads, views, strict=False):
             if grad is None:
                 view.zero_()
             elif grad.is_sparse:
@@ -196,11 +220,6 @@ class Reducer:
                 )
             else:
                 torch.mul(grad.reshape(-1), scale, out=view)
-        # The last view has one element per parameter: whether any rank used it, so a
-        # parameter that no rank used keeps its .grad untouched, as DDP leaves it.
-        views[-1].copy_(torch.tensor([scale if self._used[index] else 0.0 for index in bucket]))
-        flat = self._flats[position]
-        self._launched.append((position, _torch.all_reduce(flat, self._group)))
 
     def _allocate(self, position: int) -> list[Tensor]:
         """Make a bucket's flat buffer, kept across backwards, and its views per parameter."""
@@ -244,6 +263,8 @@ class Reducer:
         views = self._views[position]
         assert views is not None
         used = _torch.to_bools(views[-1] > 0)
+        grads: list[Tensor] = []
+        averages: list[Tensor] = []
         for index, average, was_used in zip(bucket, views, used, strict=False):
             if not was_used:
                 continue
@@ -251,7 +272,10 @@ class Reducer:
             if parameter.grad is None:
                 parameter.grad = average.view_as(parameter).clone()
             else:
-                parameter.grad.copy_(average.view_as(parameter))
+                grads.append(parameter.grad)
+                averages.append(average.view_as(parameter))
+        if grads:
+            _torch.copy_each(grads, averages)  # one call for the whole bucket
 
     def _rebuild(self, arrival: list[int]) -> None:
         """Bucket anew in the first rank's arrival order (then the rest, last defined first)."""
