@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -73,6 +74,12 @@ def _run(*command: str | Path, cwd: Path) -> str:
 def test_built_wheel_runs_the_tour_and_type_checks_in_a_fresh_environment(
     tmp_path: Path,
 ) -> None:
+    # Built from a copy of what the wheel is made of, so the checkout gets no build files.
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("*.egg-info"))
     dist = tmp_path / "dist"
     _run(
         sys.executable,
@@ -82,7 +89,7 @@ def test_built_wheel_runs_the_tour_and_type_checks_in_a_fresh_environment(
         "--no-isolation",
         "--outdir",
         dist,
-        ROOT,
+        source,
         cwd=tmp_path,
     )
     (wheel,) = dist.glob("torchcontract-*.whl")
