@@ -1,21 +1,10 @@
 """One training step of the demo GPT on 2 gloo ranks: fully_shard against torch's fully_shard.
 
-Two ranks start once, each holding the same model twice: one under
-``torchcontract.apis.fully_shard``, one under ``torch.distributed.fsdp.fully_shard``,
-each applied to every block and then to the root.
-Every benchmark round asks both ranks, through a TCP store, for one training
-step (forward with all-gathers, backward with reduce-scatters, SGD step) of one of them, and
-times the round trip here. Each rank also times its own step; the slower
-rank's median is recorded as ``in_rank_median_ms`` in extra_info, which leaves
-out the store's round trip (some 0.1 ms on loopback).
-
-pytest-benchmark times one library's rounds after the other's, so a change in
-machine load between the two shows up as a difference. The fixture therefore
-also runs ``ALTERNATING_ROUNDS`` steps of each, alternating, before the timed
-rounds; their in-rank medians and ratio are in extra_info as
-``alternating_median_ms`` and ``alternating_ratio_to_torch``. Target: at most
-1.2x torch's step. ``parameter_bytes_per_rank`` is the larger rank's share of the
-parameters, for both libraries.
+Each rank holds the model twice, one under ``torchcontract.apis.fully_shard`` and one
+under ``torch.distributed.fsdp.fully_shard``, each applied to every block and then to
+the root; ``benchmarks/ranks.py`` drives the steps and records round-trip, in-rank and
+alternating times. Target: at most 1.2x torch's step. ``parameter_bytes_per_rank`` is
+the larger rank's share of the parameters, for both libraries.
 """
 
 from __future__ import annotations
@@ -28,11 +17,10 @@ from pytest_benchmark.fixture import BenchmarkFixture
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn import functional
 
 from torchcontract.apis import fully_shard
-from torchcontract.demo import GPT, GPTConfig, synthetic_batch
+from torchcontract.demo import GPT, GPTConfig, local_parameter_bytes, synthetic_batch
 
 from .harness import label
 from .ranks import WORLD_SIZE, ServingRanks, connect, serve_steps, serving, time_steps
@@ -68,19 +56,11 @@ def _serve(rank: int, world_size: int, port: int) -> int:
     torch_fully_shard(theirs, mesh=mesh)
     models: dict[str, nn.Module] = {"torchcontract": ours, "torch": theirs}
     for name, model in models.items():
-        store.set(f"bytes/{name}/{rank}", repr(_local_bytes(model)))
+        store.set(f"bytes/{name}/{rank}", repr(local_parameter_bytes(model)))
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
     tokens, targets = synthetic_batch(CONFIG, BATCH, rank, 0)
     return serve_steps(
         store, rank, lambda name: _step(models[name], optimizers[name], tokens, targets)
-    )
-
-
-def _local_bytes(model: nn.Module) -> int:
-    """The parameter bytes this rank stores."""
-    return sum(
-        (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
-        for p in model.parameters()
     )
 
 

@@ -1,21 +1,11 @@
 """One training step on 2 gloo ranks: replicate against DistributedDataParallel.
 
 Two models: the demo GPT, and a 50-layer MLP (many parameters of one size, where
-bucketing and overlap decide). Two ranks start once, each holding every model
-twice: one under ``torchcontract.apis.replicate``, one wrapped in
-``DistributedDataParallel``.
-Every benchmark round asks both ranks, through a TCP store, for one training
-step (forward, backward with gradient averaging, SGD step) of one of them, and
-times the round trip here. Each rank also times its own step; the slower
-rank's median is recorded as ``in_rank_median_ms`` in extra_info, which leaves
-out the store's round trip (some 0.1 ms on loopback).
-
-pytest-benchmark times one library's rounds after the other's, so a change in
-machine load between the two shows up as a difference. The fixture therefore
-also runs ``ALTERNATING_ROUNDS`` steps of each, alternating, before the timed
-rounds; their in-rank medians and ratio are in extra_info as
-``alternating_median_ms`` and ``alternating_ratio_to_torch``. Target: replicate's
-step at most DDP's (alternating, in-rank ratio at most 1.0).
+bucketing and overlap decide). Each rank holds every model twice, one under
+``torchcontract.apis.replicate`` and one wrapped in ``DistributedDataParallel``;
+``benchmarks/ranks.py`` drives the steps and records round-trip, in-rank and
+alternating times. Target: replicate's step at most DDP's (alternating, in-rank
+ratio at most 1.0).
 """
 
 from __future__ import annotations

@@ -55,6 +55,7 @@ __all__ = [
     "Outcome",
     "Settings",
     "ShardedOutcome",
+    "local_parameter_bytes",
     "main",
     "train",
     "train_sharded",
@@ -319,7 +320,7 @@ class ShardedOutcome:
     full_bytes: int
 
 
-def _local_bytes(model: nn.Module) -> int:
+def local_parameter_bytes(model: nn.Module) -> int:
     """The parameter bytes this rank stores: its shards."""
     return sum(
         (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
@@ -373,7 +374,7 @@ def train_sharded(rank: int, world_size: int, settings: Settings) -> ShardedOutc
         gap = math.nan
     del reference
     losses = _train_steps(model, optimizer, settings, rank, world_size, first_loss=loss)
-    local = _local_bytes(model)
+    local = local_parameter_bytes(model)
     sizes = all_gather_objects(local)
     if rank == 0:
         print(f"\ndescribe(model)  (fully_shard on each block and the root, {world_size} ranks)")

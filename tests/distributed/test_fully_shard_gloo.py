@@ -355,6 +355,20 @@ def _rule_messages(rank: int, mesh: DeviceMesh) -> list[str]:
     return messages
 
 
+def _record_refusal(
+    found: dict[str, str | bool], key: str, model: nn.Module, mesh: DeviceMesh
+) -> None:
+    """Apply fully_shard; record the error as ``key`` and whether nothing was changed."""
+    before = list(model.parameters())
+    try:
+        fully_shard(model, mesh=mesh)
+    except ContractError as error:
+        found[key] = f"{type(error).__name__}: {error}"
+    found[f"{key}_untouched"] = all(
+        a is b for a, b in zip(model.parameters(), before, strict=True)
+    ) and not fully_shard.is_applied(model)
+
+
 def _bad_input_messages(mesh: DeviceMesh, world_size: int) -> dict[str, str | bool]:
     found: dict[str, str | bool] = {}
     model = gpt()
@@ -373,14 +387,7 @@ def _bad_input_messages(mesh: DeviceMesh, world_size: int) -> dict[str, str | bo
     up.weight = nn.Parameter(
         distribute_tensor(up.get_parameter("weight").detach(), mesh, [Replicate()])
     )
-    before = list(model.parameters())
-    try:
-        fully_shard(model, mesh=mesh)
-    except AlreadyManagedError as error:
-        found["dtensor"] = f"{type(error).__name__}: {error}"
-    found["dtensor_untouched"] = all(
-        a is b for a, b in zip(model.parameters(), before, strict=True)
-    ) and not fully_shard.is_applied(model)
+    _record_refusal(found, "dtensor", model, mesh)
 
     model = gpt()
     fully_shard(model, mesh=mesh)
@@ -398,14 +405,7 @@ def _bad_input_messages(mesh: DeviceMesh, world_size: int) -> dict[str, str | bo
 
     model = gpt()
     model.blocks[1].register_parameter("scale", nn.Parameter(torch.tensor(1.0)))
-    before = list(model.parameters())
-    try:
-        fully_shard(model, mesh=mesh)
-    except ContractError as error:
-        found["scalar"] = f"{type(error).__name__}: {error}"
-    found["scalar_untouched"] = all(
-        a is b for a, b in zip(model.parameters(), before, strict=True)
-    ) and not fully_shard.is_applied(model)
+    _record_refusal(found, "scalar", model, mesh)
     return found
 
 
