@@ -29,7 +29,7 @@ from ._errors import (
     InvalidTargetError,
     NotAppliedError,
 )
-from ._fqn import FQNSnapshot, check_strict, check_unchanged, descendants, take_snapshot
+from ._fqn import FQNSnapshot, check_strict, check_unchanged, descendants, walk, walk_error
 from ._registry import REGISTRY, Incompatible, RegistryEntry, check_compatible
 from ._store import (
     DEFAULT_STORE,
@@ -168,12 +168,15 @@ class Contract(Generic[_P, _R_co, _S]):
                 "positional argument"
             )
         given: Any = args[0]
-        # The items as given, kept apart from ``given``: the function may change that list.
-        items = self._items(given)
-        targets = root_modules(items)
+        if isinstance(given, nn.Module):
+            items = targets = [given]
+        else:
+            # The items as given, kept apart from ``given``: the function may change that list.
+            items = self._items(given)
+            targets = root_modules(items)
         entry = RegistryEntry(self, args[1:], kwargs)
         with Transaction():
-            before = [self._snapshot(target) for target in targets]
+            before = list(map(self._snapshot, targets))
             self._install(targets, before, entry)
             result: Any = self._func(*args, **kwargs)
             updated = self._updated(given, items, targets, result)
@@ -262,7 +265,10 @@ class Contract(Generic[_P, _R_co, _S]):
 
     def _snapshot(self, module: nn.Module) -> FQNSnapshot:
         """``module``'s FQN snapshot; a cyclic or too deep tree is an error naming this API."""
-        return take_snapshot(module, api_name=self.name, label=module_label)
+        try:
+            return walk(module)
+        except RecursionError:
+            raise walk_error(module, self.name, module_label) from None
 
     def _verify(self, before: FQNSnapshot, after: FQNSnapshot) -> None:
         check_unchanged(self.name, module_label, before, after)

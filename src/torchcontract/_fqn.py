@@ -34,10 +34,19 @@ from torch import nn
 
 from ._errors import ContractError, CyclicModuleTreeError, FQNChangedError
 
-__all__ = ["FQNSnapshot", "check_strict", "check_unchanged", "descendants", "take_snapshot"]
+__all__ = [
+    "FQNSnapshot",
+    "check_strict",
+    "check_unchanged",
+    "descendants",
+    "take_snapshot",
+    "walk",
+    "walk_error",
+]
 
 _SHOWN: Final = 8  # names listed per side in an error before "... and N more"
 _NONE_ID: Final = id(None)
+_NO_FORWARD: Final = object()
 
 
 class FQNSnapshot:
@@ -51,24 +60,10 @@ class FQNSnapshot:
     time, for the stricter checks. Immutable; compared by identity.
     """
 
-    __slots__ = (
-        "_buffer_counts",
-        "_buffer_ids",
-        "_buffer_keys",
-        "_buffers",
-        "_depths",
-        "_forwards",
-        "_module_fqns",
-        "_names",
-        "_param_counts",
-        "_param_ids",
-        "_param_keys",
-        "_parameters",
-        "_prefixes",
-        "_state_dict_parameters",
-        "classes",
-        "modules",
-    )
+    # Few slots: a snapshot is built twice per apply, and each slot written costs.
+    # ``_tree`` is (depths, names); ``_params`` and ``_buffs`` are (counts per module,
+    # keys, value ids); ``_names`` caches the FQN tuples built from them, by kind.
+    __slots__ = ("_buffs", "_forwards", "_names", "_params", "_tree", "classes", "modules")
 
     def __init__(
         self,
@@ -80,25 +75,32 @@ class FQNSnapshot:
     ) -> None:
         self.modules: tuple[nn.Module, ...] = tuple(modules)
         self.classes: tuple[type[nn.Module], ...] = tuple(map(type, modules))
-        self._depths, self._names = tree
+        self._tree = tree
         self._forwards = forwards
-        self._param_counts, self._param_keys, self._param_ids = params
-        self._buffer_counts, self._buffer_keys, self._buffer_ids = buffers
-        self._parameters: tuple[str, ...] | None = None
-        self._state_dict_parameters: tuple[str, ...] | None = None
-        self._buffers: tuple[str, ...] | None = None
-        self._module_fqns: tuple[str, ...] | None = None
-        self._prefixes: list[str] | None = None
+        self._params = params
+        self._buffs = buffers
+        self._names: dict[str, tuple[str, ...]] | None = None
+
+    def _cached(self, kind: str, build: Callable[[], tuple[str, ...]]) -> tuple[str, ...]:
+        names = self._names
+        if names is None:
+            names = self._names = {}
+        found = names.get(kind)
+        if found is None:
+            found = names[kind] = build()
+        return found
 
     @property
     def parameters(self) -> tuple[str, ...]:
         """Parameter FQNs, as the names of ``named_parameters()``."""
-        if self._parameters is None:
-            names, ids = self._present_parameters()
+
+        def build() -> tuple[str, ...]:
+            names, ids = _present(self._member_names(self._params), self._params[2])
             if len(set(ids)) != len(ids):
                 names = _first_occurrences(names, ids)
-            self._parameters = tuple(names)
-        return self._parameters
+            return tuple(names)
+
+        return self._cached("parameters", build)
 
     @property
     def state_dict_parameters(self) -> tuple[str, ...]:
@@ -107,44 +109,33 @@ class FQNSnapshot:
         What ``state_dict()`` lists: a shared module's parameters under each of its
         paths, a tied parameter under each of its names.
         """
-        if self._state_dict_parameters is None:
-            self._state_dict_parameters = tuple(self._present_parameters()[0])
-        return self._state_dict_parameters
-
-    def _present_parameters(self) -> tuple[list[str], list[int]]:
-        return _present(
-            _member_names(self._member_prefixes(), self._param_counts, self._param_keys),
-            self._param_ids,
+        return self._cached(
+            "state_dict_parameters",
+            lambda: tuple(_present(self._member_names(self._params), self._params[2])[0]),
         )
 
     @property
     def buffers(self) -> tuple[str, ...]:
         """Buffer FQNs, as the names of ``named_buffers(remove_duplicate=False)``."""
-        if self._buffers is None:
-            names, _ = _present(
-                _member_names(self._member_prefixes(), self._buffer_counts, self._buffer_keys),
-                self._buffer_ids,
-            )
-            self._buffers = tuple(names)
-        return self._buffers
+        return self._cached(
+            "buffers",
+            lambda: tuple(_present(self._member_names(self._buffs), self._buffs[2])[0]),
+        )
 
     @property
     def module_fqns(self) -> tuple[str, ...]:
         """Module FQNs, as the names of ``named_modules(remove_duplicate=False)``."""
-        if self._module_fqns is None:
-            self._build_fqns()
-            assert self._module_fqns is not None
-        return self._module_fqns
+        return self._cached("modules", lambda: self._build_fqns()[0])
 
-    def _member_prefixes(self) -> list[str]:
-        """Per module, what ``named_*()`` put before its members' names."""
-        if self._prefixes is None:
-            self._build_fqns()
-            assert self._prefixes is not None
-        return self._prefixes
+    def _member_names(self, members: tuple[list[int], list[str], list[int]]) -> list[str]:
+        """Each member key of ``members`` joined to the prefix of the module it belongs to."""
+        prefixes = self._cached("prefixes", lambda: self._build_fqns()[1])
+        counts, keys, _ = members
+        owners: Iterator[str] = chain.from_iterable(map(repeat, prefixes, counts))
+        return list(map(str.__add__, owners, keys))
 
-    def _build_fqns(self) -> None:
-        """Rebuild every module's FQN and member prefix from the (depth, name) pairs.
+    def _build_fqns(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Every module's FQN and member prefix, rebuilt from the (depth, name) pairs.
 
         As ``named_modules()``: a child's FQN is its parent's FQN, a dot and its name,
         without the dot when the parent's FQN is empty; its member prefix is its FQN
@@ -153,14 +144,14 @@ class FQNSnapshot:
         fqns: list[str] = []
         prefixes: list[str] = []
         ancestors: list[str] = []  # member prefix of the current ancestor at each depth
-        for depth, name in zip(self._depths, self._names, strict=True):
+        for depth, name in zip(*self._tree, strict=True):
             fqn = ancestors[depth - 1] + name if depth else ""
             prefix = fqn + "." if fqn else ""
             del ancestors[depth:]
             ancestors.append(prefix)
             fqns.append(fqn)
             prefixes.append(prefix)
-        self._module_fqns, self._prefixes = tuple(fqns), prefixes
+        return tuple(fqns), tuple(prefixes)
 
     @property
     def forwards(self) -> tuple[object, ...]:
@@ -173,15 +164,11 @@ class FQNSnapshot:
         True implies equal ``parameters``, ``buffers`` and ``module_fqns``; False
         implies nothing (the names may still agree), so compare the names then.
         """
+        # Tuples of lists compare item by item: depths and names, then counts, keys, ids.
         return (
-            self._depths == other._depths
-            and self._names == other._names
-            and self._param_counts == other._param_counts
-            and self._buffer_counts == other._buffer_counts
-            and self._param_keys == other._param_keys
-            and self._buffer_keys == other._buffer_keys
-            and self._param_ids == other._param_ids
-            and self._buffer_ids == other._buffer_ids
+            self._tree == other._tree
+            and self._params == other._params
+            and self._buffs == other._buffs
         )
 
     def __repr__(self) -> str:
@@ -205,15 +192,31 @@ def take_snapshot(
     root by ``label`` (its class name if None).
     """
     try:
-        return _walk(root)
+        return walk(root)
     except RecursionError:
         # Found only now, in a second walk: looking for cycles during the walk would
         # cost every snapshot a set insertion per module.
-        raise _walk_error(root, api_name, label) from None
+        raise walk_error(root, api_name, label) from None
 
 
-def _walk(root: nn.Module) -> FQNSnapshot:
+def walk(root: nn.Module) -> FQNSnapshot:
     """The snapshot of ``root``; a ``RecursionError`` for a cyclic or too deep tree."""
+    attributes = root.__dict__
+    if not attributes.get("_modules", True):
+        # A leaf (most applies target one): its members directly, no walk to set up.
+        try:
+            params: _Members = attributes["_parameters"]
+            buffers: _Members = attributes["_buffers"]
+        except KeyError:
+            params, buffers, _ = _members(root)
+        forward = attributes.get("forward", _NO_FORWARD)
+        return FQNSnapshot(
+            [root],
+            ([0], [""]),
+            {} if forward is _NO_FORWARD else {0: forward},
+            ([len(params)], list(params), list(map(id, params.values()))),
+            ([len(buffers)], list(buffers), list(map(id, buffers.values()))),
+        )
     modules: list[nn.Module] = []
     depths: list[int] = []
     names: list[str] = []
@@ -295,7 +298,7 @@ def _members(module: nn.Module) -> tuple[_Members, _Members, Mapping[str, nn.Mod
     return module._parameters, module._buffers, module._modules
 
 
-def _walk_error(
+def walk_error(
     root: nn.Module, api_name: str, label: Callable[[nn.Module], str] | None
 ) -> ContractError:
     """Why the walk of ``root`` went too deep: a cycle, or a tree nested too deeply."""
@@ -361,12 +364,6 @@ def descendants(root: nn.Module, seen: set[int] | None = None) -> Iterator[nn.Mo
         visited.add(id(module))
         yield module
         stack.extend(child for child in reversed(module._modules.values()) if child is not None)
-
-
-def _member_names(prefixes: list[str], counts: list[int], keys: list[str]) -> list[str]:
-    """Each member key joined to the prefix of the module it belongs to."""
-    owners: Iterator[str] = chain.from_iterable(map(repeat, prefixes, counts))
-    return list(map(str.__add__, owners, keys))
 
 
 def _first_occurrences(names: list[str], ids: list[int]) -> list[str]:

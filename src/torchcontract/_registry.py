@@ -267,10 +267,12 @@ def check_compatible(
     Costs nothing for an API no rule concerns, one registry lookup per module inside
     for tree-wide rules, and a walk only of registered ancestors that hold a banned API.
     """
+    api = entry.api
+    if not api.rules and not api.ruled_by:
+        return  # the common case: no rule names this API, nor does it name one
     bans = _bans(entry, functools.partial(label, targets[0]))
     if not bans:
         return
-    api = entry.api
     tree_wide = any(ban.scope == "tree" for ban in bans)
     banned = list(
         {id(ban.other): ban.other for ban in bans if not isinstance(ban.other, str)}.values()

@@ -50,16 +50,19 @@ class _Slot(weakref.ref[nn.Module], Generic[_K, _V]):
 
     The row is itself the weak reference, and one callback per table serves every
     row, so a module costs its table one object and one dict, not a closure each.
+    Made by ``_new_slot``: weakref.ref's own initializer, in C, and two slot writes.
     """
 
     __slots__ = ("items", "key")
+    key: int
+    items: dict[_K, _V]
 
-    def __init__(
-        self, module: nn.Module, forget: Callable[[_Slot[_K, _V]], None] | None = None, /
-    ) -> None:
-        # weakref.ref.__new__ took module and callback; its __init__ has nothing to add.
-        self.key = id(module)
-        self.items: dict[_K, _V] = {}
+
+def _new_slot(module: nn.Module, forget: Callable[[_Slot[_K, _V]], None]) -> _Slot[_K, _V]:
+    slot: _Slot[_K, _V] = _Slot(module, forget)
+    slot.key = id(module)
+    slot.items = {}
+    return slot
 
 
 class Cell(Generic[_V]):
@@ -74,15 +77,17 @@ class Cell(Generic[_V]):
 class ModuleTable(Generic[_K, _V]):
     """Weak, identity-keyed map ``module -> {key: value}``: the core of store and registry."""
 
-    __slots__ = ("__weakref__", "_columns", "_forget", "_slots")
+    __slots__ = ("__weakref__", "_column_keys", "_columns", "_forget", "_slots")
 
     def __init__(self) -> None:
         self._slots: dict[int, _Slot[_K, _V]] = {}
         # Per key that asked for one (see column), id(module) -> value: one dict lookup
         # for readers of a single key (Contract.state); kept in step with the rows by
-        # every write below. Weak in the key, so a table never keeps alive an API
-        # that no live module holds.
-        self._columns: weakref.WeakKeyDictionary[_K, dict[int, _V]] = weakref.WeakKeyDictionary()
+        # every write below. Keyed by id(key), read on every insert; weak in the key
+        # through _column_keys, whose callbacks drop a dead key's column, so a table
+        # never keeps alive an API that no live module holds.
+        self._columns: dict[int, dict[int, _V]] = {}
+        self._column_keys: dict[int, _KeyRef] = {}
         self._forget = _forgetter(weakref.ref(self))
 
     def __len__(self) -> int:
@@ -105,14 +110,15 @@ class ModuleTable(Generic[_K, _V]):
         for get a column, which the table then keeps up to date.
         """
         with WRITE_LOCK:
-            column = self._columns.get(key)
+            column = self._columns.get(id(key))
             if column is None:
                 # list(): a module dying mid-walk drops its row from _slots.
-                column = self._columns[key] = {
+                column = self._columns[id(key)] = {
                     module_id: slot.items[key]
                     for module_id, slot in list(self._slots.items())
                     if key in slot.items
                 }
+                self._column_keys[id(key)] = _new_key_ref(key, _column_dropper(weakref.ref(self)))
             return column
 
     def modules_with(self, key: _K) -> list[nn.Module]:
@@ -138,11 +144,11 @@ class ModuleTable(Generic[_K, _V]):
         with WRITE_LOCK:
             slot = self._slots.get(id(module))
             if slot is None:
-                slot = self._slots[id(module)] = _Slot(module, self._forget)
+                slot = self._slots[id(module)] = _new_slot(module, self._forget)
             elif key in slot.items:
                 return False
             slot.items[key] = value
-            column = self._columns.get(key)
+            column = self._columns.get(id(key))
             if column is not None:
                 column[id(module)] = value
             journal_undo(lambda: self._discard(module, key))
@@ -152,7 +158,7 @@ class ModuleTable(Generic[_K, _V]):
         slot = self._slots.get(id(module))
         if slot is not None and key in slot.items:
             del slot.items[key]
-            column = self._columns.get(key)
+            column = self._columns.get(id(key))
             if column is not None:
                 del column[id(module)]
             if not slot.items:
@@ -171,11 +177,37 @@ def _forgetter(
         if this is not None and this._slots.get(slot.key) is slot:
             del this._slots[slot.key]
             for key in slot.items:
-                column = this._columns.get(key)
+                column = this._columns.get(id(key))
                 if column is not None:
                     column.pop(slot.key, None)
 
     return forget
+
+
+class _KeyRef(weakref.ref[Any]):
+    """A weak reference to a key with a column, and that key's id."""
+
+    __slots__ = ("key",)
+    key: int
+
+
+def _new_key_ref(key: object, drop: Callable[[_KeyRef], None]) -> _KeyRef:
+    ref = _KeyRef(key, drop)
+    ref.key = id(key)
+    return ref
+
+
+def _column_dropper(table: weakref.ref[ModuleTable[Any, Any]]) -> Callable[[_KeyRef], None]:
+    """The callback dropping a dead key's column from ``table`` (held weakly)."""
+
+    def drop(ref: _KeyRef) -> None:
+        # Runs when the key dies, before its id can be reused.
+        this = table()
+        if this is not None and this._column_keys.get(ref.key) is ref:
+            del this._column_keys[ref.key]
+            this._columns.pop(ref.key, None)
+
+    return drop
 
 
 def check_holds_no_module(
