@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from commands import run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,14 +55,8 @@ USER_FILE = textwrap.dedent(
 
 
 def _run(*command: str | Path, cwd: Path) -> str:
-    done = subprocess.run(
-        [str(part) for part in command],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
-        check=False,
+    done = run_command(
+        command, timeout=240, cwd=cwd, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     )
     assert done.returncode == 0, (
         f"{command[:3]} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

@@ -105,8 +105,9 @@ def run_distributed(
 
     Each rank is a new process in a gloo process group on 127.0.0.1 (a free port,
     ``tcp://`` rendezvous), so ``fn`` and ``args`` must pickle: ``fn`` is a
-    module-level function, and so are the results. The group is destroyed when
-    ``fn`` returns or raises. ``start_method`` is ``"forkserver"`` where the
+    module-level function, and so are the results. The group is destroyed once
+    every rank's ``fn`` returned (after a barrier: taking a group down while a peer
+    still uses it can hang), or when ``fn`` raises. ``start_method`` is ``"forkserver"`` where the
     platform has it (ranks fork from a server that imported torch once, with
     ``spawn``'s isolation, in milliseconds instead of seconds; they see the
     environment variables of when the server started) and ``"spawn"`` otherwise.
@@ -216,10 +217,15 @@ def _run_rank(job: _Job, rank: int) -> tuple[bool, object]:
         timeout=timedelta(seconds=job.timeout),
     )
     try:
-        return True, job.fn(rank, job.world_size, *job.args)
+        result = job.fn(rank, job.world_size, *job.args)
+        # Every rank is done with the group before any takes it down: destroying it
+        # while a peer still uses it can hang (torch 2.6's gloo does, now and then).
+        dist.barrier()
     except BaseException as error:
         # Described here, before the group goes down and the other ranks fail in turn.
         return False, _Failure.of(error)
+    else:
+        return True, result
     finally:
         dist.destroy_process_group()
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from commands import run_command
 
 from torchcontract._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.demo import Outcome, Settings, ShardedOutcome, train, train_sharded
@@ -78,9 +78,7 @@ def test_sharded_loss_falls_and_ranks_agree(sharded: list[ShardedOutcome]) -> No
 
 def _run(command: list[str]) -> str:
     environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=180, env=environment, check=False
-    )
+    done = run_command(command, timeout=180, env=environment)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
