@@ -105,6 +105,15 @@ def test_hung_ranks_raise_timeout_error_naming_them(tmp_path: Path) -> None:
         run_distributed(_sleep_and_record_pid, 2, timeout=1.0, args=(str(tmp_path),))
 
 
+def test_the_timeout_error_shows_where_each_hung_rank_was(tmp_path: Path) -> None:
+    # Long enough for both ranks to be in the function however loaded the machine is.
+    with pytest.raises(TimeoutError) as caught:
+        run_distributed(_sleep_and_record_pid, 2, timeout=10.0, args=(str(tmp_path),))
+    sections = str(caught.value).split("\nrank ")[1:]
+    assert [section.split(" was at:")[0] for section in sections] == ["0", "1"]
+    assert all("in _sleep_and_record_pid" in section for section in sections)
+
+
 def test_hung_ranks_are_killed_at_the_timeout(tmp_path: Path) -> None:
     with pytest.raises(TimeoutError):
         run_distributed(_sleep_and_record_pid, 2, timeout=3.0, args=(str(tmp_path),))

@@ -8,12 +8,16 @@ numerics as an API built on the contract should.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gc
 import math
 import multiprocessing
 import os
 import pickle
+import shutil
+import signal
 import socket
+import tempfile
 import time
 import traceback
 import weakref
@@ -132,6 +136,7 @@ def run_distributed(
     context = _context(start_method)
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     port = free_port()
+    stacks = tempfile.mkdtemp(prefix="run_distributed_stacks_")
     processes: list[BaseProcess] = []
     readers: list[Connection] = []
     try:
@@ -139,7 +144,7 @@ def run_distributed(
             reader, writer = context.Pipe(duplex=False)
             process = context.Process(
                 target=_rank_main,
-                args=(_Job(fn, args, world_size, port, timeout, threads), rank, writer),
+                args=(_Job(fn, args, world_size, port, timeout, threads, stacks), rank, writer),
                 name=f"rank-{rank}",
                 daemon=True,
             )
@@ -147,11 +152,12 @@ def run_distributed(
             writer.close()
             processes.append(process)
             readers.append(reader)
-        outcomes = _collect(fn, processes, readers, timeout)
+        outcomes = _collect(fn, processes, readers, timeout, stacks)
     finally:
         _stop(processes)
         for reader in readers:
             reader.close()
+        shutil.rmtree(stacks, ignore_errors=True)
     return [outcomes[rank] for rank in range(world_size)]
 
 
@@ -175,6 +181,7 @@ class _Job:
     port: int
     timeout: float
     threads: int
+    stacks: str  # the directory where a rank writes its stack when asked (_dump_signal)
 
 
 @attrs.frozen
@@ -200,6 +207,10 @@ class _Failure:
 def _rank_main(job: _Job, rank: int, writer: Connection) -> None:
     """The body of one rank: join the group, run the function, send back its result or error."""
     torch.set_num_threads(job.threads)
+    if _DUMP_SIGNAL is not None:
+        # Where a hung rank is, for the TimeoutError: every thread's stack, on request.
+        stack_file = open(_stack_path(job.stacks, rank), "w")  # noqa: SIM115 (lives as the rank)
+        faulthandler.register(_DUMP_SIGNAL, file=stack_file, all_threads=True)
     try:
         writer.send((rank, *_run_rank(job, rank)))
     except BaseException as error:  # joining the group failed, or the result does not pickle
@@ -235,8 +246,12 @@ def _collect(
     processes: list[BaseProcess],
     readers: list[Connection],
     timeout: float,
+    stacks: str,
 ) -> dict[int, Any]:
-    """Wait for every rank's report; raise the first failure, or TimeoutError at the deadline."""
+    """Wait for every rank's report; raise the first failure, or TimeoutError at the deadline.
+
+    The TimeoutError ends with where each hung rank was: its threads' stacks.
+    """
     world_size = len(processes)
     deadline = time.monotonic() + timeout
     results: dict[int, Any] = {}
@@ -247,9 +262,11 @@ def _collect(
         if remaining <= 0:
             if failures:
                 break
+            hung = sorted(pending)
             raise TimeoutError(
-                f"run_distributed: ranks {sorted(pending)} of {world_size} did not finish "
+                f"run_distributed: ranks {hung} of {world_size} did not finish "
                 f"{_name(fn)} within {timeout:g} s and were killed"
+                + _stacks_of(hung, processes, stacks)
             )
         waiting: dict[object, int] = {processes[rank].sentinel: rank for rank in pending}
         waiting.update({reader: rank for rank, reader in pending.items()})
@@ -280,6 +297,38 @@ def _collect(
             first.add_note(f"then rank {other_rank} failed: {type(other).__name__}: {other}")
         raise first
     return results
+
+
+#: The signal that makes a rank write its stacks (POSIX only; None elsewhere).
+_DUMP_SIGNAL: Final[signal.Signals | None] = getattr(signal, "SIGUSR1", None)
+#: Lines of stack shown per hung rank, the innermost calls of each thread first.
+_STACK_LINES: Final = 60
+
+
+def _stack_path(stacks: str, rank: int) -> str:
+    return os.path.join(stacks, f"rank-{rank}.txt")
+
+
+def _stacks_of(ranks: list[int], processes: list[BaseProcess], stacks: str) -> str:
+    """Ask each of ``ranks`` for its threads' stacks; the text to append to the error."""
+    if _DUMP_SIGNAL is None:
+        return ""
+    for rank in ranks:
+        pid = processes[rank].pid
+        if pid is not None and processes[rank].is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, _DUMP_SIGNAL)
+    time.sleep(_GRACE_SECONDS)  # faulthandler writes from its signal handler, at once
+    parts: list[str] = []
+    for rank in ranks:
+        try:
+            with open(_stack_path(stacks, rank)) as file:
+                lines = file.read().splitlines()
+        except OSError:
+            lines = []
+        shown = "\n".join(lines[:_STACK_LINES]) or "(no stack: the rank did not answer)"
+        parts.append(f"\nrank {rank} was at:\n{shown}")
+    return "".join(parts)
 
 
 def _failure(rank: int, world_size: int, process: BaseProcess, payload: object) -> BaseException:
