@@ -52,6 +52,7 @@ from torchcontract import (
 from torchcontract._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.apis import (
     FullyShardState,
+    _torch,
     checkpoint,
     fully_shard,
     no_sync,
@@ -795,6 +796,28 @@ def test_full_state_dict_equals_the_one_process_model(ranks: list[Results]) -> N
         assert result["keys"]
         assert result["all_plain"]
         assert result["full_gap"] <= 1e-5
+
+
+# ----------------------------------------------------------------- collectives
+
+
+def _reduce_scatter_rank_values(rank: int, world_size: int) -> list[float]:
+    """Each rank offers ``10 * rank + i`` at position ``i``; its averaged slice of two."""
+    group = dist.group.WORLD
+    assert group is not None
+    offered = torch.arange(2 * world_size, dtype=torch.float32) + 10 * rank
+    mine = torch.empty(2)
+    _torch.reduce_scatter_average(mine, offered, group)
+    return mine.tolist()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_reduce_scatter_averages_on_every_torch(world_size: int) -> None:
+    """torch 2.6's gloo sums when asked for ``ReduceOp.AVG`` here: fully_shard's
+    gradients were the sum over ranks there, until this averaged by itself."""
+    slices = run_distributed(_reduce_scatter_rank_values, world_size, timeout=60.0)
+    mean_offset = 10 * (world_size - 1) / 2
+    assert slices == [[2 * r + mean_offset, 2 * r + 1 + mean_offset] for r in range(world_size)]
 
 
 # ----------------------------------------------------------------- in this process, no ranks

@@ -181,8 +181,11 @@ def reduce_scatter_average(output: Tensor, input: Tensor, group: dist.ProcessGro
     """Average ``input`` over ``group`` and keep this rank's slice in ``output``; wait.
 
     ``input`` holds ``group.size()`` equal slices, one per rank, in rank order.
+    A sum, then a division: torch 2.6's gloo takes ``ReduceOp.AVG`` here for a sum,
+    silently; releases that average divide the sum the same way.
     """
-    _reduce_scatter_single(output, input, op=dist.ReduceOp.AVG, group=group)
+    _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group)
+    output.div_(group.size())
 
 
 def register_tensor_hook(
