@@ -106,6 +106,31 @@ def test_snapshot_keeps_the_modules_their_classes_and_instance_forwards() -> Non
     assert snapshot.forwards == (None, forward)
 
 
+def test_a_leaf_snapshot_equals_the_walk_of_the_same_leaf_inside_a_container() -> None:
+    """A module without children is snapshotted without the walk: the same result."""
+    leaf = nn.Linear(2, 2)
+    leaf.register_parameter("gone", None)
+    leaf.register_buffer("scale", torch.ones(1))
+    leaf.register_buffer("empty", None)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    leaf.__dict__["forward"] = forward  # set on the instance, as a patch would be
+    alone, inside = take_snapshot(leaf), take_snapshot(nn.Sequential(leaf))
+    assert alone.parameters == tuple(n for n, _ in leaf.named_parameters()) == ("weight", "bias")
+    assert alone.buffers == ("scale",)
+    assert alone.state_dict_parameters == ("weight", "bias")
+    assert alone.module_fqns == ("",)
+    assert (alone.modules, alone.classes, alone.forwards) == ((leaf,), (nn.Linear,), (forward,))
+    assert inside.parameters == ("0.weight", "0.bias")
+    assert inside.forwards == (None, forward)
+    assert alone.same_as(take_snapshot(leaf))
+    leaf.bias = nn.Parameter(torch.zeros(2))
+    assert not alone.same_as(take_snapshot(leaf))  # a new parameter object: ids differ
+    check_unchanged("api", _label, alone, take_snapshot(leaf))  # the names do not
+
+
 def test_snapshot_does_not_change_when_the_module_changes_afterwards() -> None:
     model = nn.Sequential(nn.Linear(1, 1))
     snapshot = take_snapshot(model)

@@ -177,6 +177,28 @@ def test_a_store_is_freed_with_its_apis_once_their_modules_died() -> None:
     assert (table(), api()) == (None, None)
 
 
+def test_a_dropped_api_leaves_no_column_in_the_default_store_or_the_registry() -> None:
+    """Tables that outlive an API (the default store, the registry) forget its columns."""
+
+    @contract(Count)
+    def local(module: nn.Module) -> None:
+        pass
+
+    model = _model()
+    local(model)
+    store_table = local.store._table
+    REGISTRY.column(local)  # as a rule naming it asks for one
+    key = id(local)
+    assert [key in table._columns for table in (store_table, REGISTRY)] == [True, True]
+    api = weakref.ref(local)
+    del local, model
+    gc.collect()
+    assert api() is None
+    tables = (store_table, REGISTRY)
+    left = [key in held for table in tables for held in (table._columns, table._column_keys)]
+    assert left == [False, False, False, False]
+
+
 def test_models_die_without_the_cycle_collector() -> None:
     # The library adds no reference cycle through a module, and a hook that reaches
     # its module through a weak reference adds none either: dropping the last

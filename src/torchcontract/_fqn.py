@@ -202,13 +202,11 @@ def take_snapshot(
 def walk(root: nn.Module) -> FQNSnapshot:
     """The snapshot of ``root``; a ``RecursionError`` for a cyclic or too deep tree."""
     attributes = root.__dict__
-    if not attributes.get("_modules", True):
+    params: _Members | None = attributes.get("_parameters")
+    buffers: _Members | None = attributes.get("_buffers")
+    if params is not None and buffers is not None and not attributes.get("_modules", True):
         # A leaf (most applies target one): its members directly, no walk to set up.
-        try:
-            params: _Members = attributes["_parameters"]
-            buffers: _Members = attributes["_buffers"]
-        except KeyError:
-            params, buffers, _ = _members(root)
+        # (Anything else, a traced module included, takes the walk below.)
         forward = attributes.get("forward", _NO_FORWARD)
         return FQNSnapshot(
             [root],
