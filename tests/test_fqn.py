@@ -310,7 +310,7 @@ def test_class_changed_to_a_subclass_passes_the_strict_check() -> None:
     model = nn.Sequential(nn.Linear(1, 1))
     before = take_snapshot(model)
     model[0].__class__ = Wider
-    check_strict("api", _label, before, take_snapshot(model))
+    check_strict("api", before, take_snapshot(model))
 
 
 def test_class_changed_to_a_non_subclass_names_the_module_and_both_classes() -> None:
@@ -318,7 +318,7 @@ def test_class_changed_to_a_non_subclass_names_the_module_and_both_classes() -> 
     before = take_snapshot(model)
     model[0].__class__ = Other
     with pytest.raises(ContractError) as info:
-        check_strict("api", _label, before, take_snapshot(model))
+        check_strict("api", before, take_snapshot(model))
     assert "api changed the class of Linear at '0' to Other, which is not a subclass" in str(
         info.value
     )
@@ -329,7 +329,7 @@ def test_forward_assigned_on_an_instance_names_the_module() -> None:
     before = take_snapshot(model)
     model[1].forward = model[1].forward
     with pytest.raises(ContractError) as info:
-        check_strict("api", _label, before, take_snapshot(model))
+        check_strict("api", before, take_snapshot(model))
     assert "api assigned forward on the instance of Linear at '1'" in str(info.value)
     assert "strict=False" in str(info.value)
 
@@ -340,7 +340,7 @@ def test_forward_removed_from_an_instance_is_reported_as_deleted() -> None:
     before = take_snapshot(model)
     del model.forward
     with pytest.raises(ContractError) as info:
-        check_strict("api", _label, before, take_snapshot(model))
+        check_strict("api", before, take_snapshot(model))
     message = str(info.value)
     assert "api deleted the forward assigned on the instance of Linear at the root" in message
     assert "assigned forward on" not in message
@@ -353,7 +353,7 @@ def test_forward_replaced_on_an_instance_is_reported_as_assigned() -> None:
     before = take_snapshot(model)
     model.forward = nn.Linear.forward.__get__(model)  # a new bound method
     with pytest.raises(ContractError, match="api assigned forward on the instance of Linear at"):
-        check_strict("api", _label, before, take_snapshot(model))
+        check_strict("api", before, take_snapshot(model))
 
 
 def test_lazy_module_materializing_into_its_cls_to_become_passes_the_strict_check() -> None:
@@ -361,7 +361,7 @@ def test_lazy_module_materializing_into_its_cls_to_become_passes_the_strict_chec
     before = take_snapshot(model)
     model(torch.zeros(1, 3))
     assert type(model[0]) is nn.Linear  # what LazyLinear.cls_to_become names
-    check_strict("api", _label, before, take_snapshot(model))
+    check_strict("api", before, take_snapshot(model))
 
 
 def test_lazy_module_turned_into_another_class_fails_the_strict_check() -> None:
@@ -369,7 +369,7 @@ def test_lazy_module_turned_into_another_class_fails_the_strict_check() -> None:
     before = take_snapshot(model)
     model[0].__class__ = Other
     with pytest.raises(ContractError, match="changed the class of LazyLinear at '0' to Other"):
-        check_strict("api", _label, before, take_snapshot(model))
+        check_strict("api", before, take_snapshot(model))
 
 
 def test_strict_check_reports_the_first_offending_module_in_order() -> None:
@@ -378,7 +378,7 @@ def test_strict_check_reports_the_first_offending_module_in_order() -> None:
     model[0].forward = model[0].forward
     model[1].__class__ = Other
     with pytest.raises(ContractError, match="assigned forward on the instance of Linear at '0'"):
-        check_strict("api", _label, before, take_snapshot(model))
+        check_strict("api", before, take_snapshot(model))
 
 
 def test_descendants_lists_a_module_shared_by_two_paths_once() -> None:

@@ -273,7 +273,7 @@ class Contract(Generic[_P, _R_co, _S]):
     def _verify(self, before: FQNSnapshot, after: FQNSnapshot) -> None:
         check_unchanged(self.name, module_label, before, after)
         if self.strict:
-            check_strict(self.name, module_label, before, after)
+            check_strict(self.name, before, after)
 
     # ----------------------------------------------------------------- state
 

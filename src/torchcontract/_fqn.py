@@ -408,9 +408,7 @@ def check_unchanged(
             )
 
 
-def check_strict(
-    api_name: str, label: Callable[[nn.Module], str], before: FQNSnapshot, after: FQNSnapshot
-) -> None:
+def check_strict(api_name: str, before: FQNSnapshot, after: FQNSnapshot) -> None:
     """Raise ``ContractError`` if a class changed to a non-subclass or ``forward`` was patched.
 
     Call only once ``check_unchanged`` passed, so both snapshots list the same FQNs.

@@ -139,20 +139,17 @@ class ModuleTable(Generic[_K, _V]):
             if module is not None:
                 yield module
 
-    def insert(self, module: nn.Module, key: _K, value: _V) -> bool:
-        """Add ``key`` for ``module``; False, and nothing written, when it is there already."""
+    def insert(self, module: nn.Module, key: _K, value: _V) -> None:
+        """Add ``key`` for ``module``, which must not hold it yet (callers check first)."""
         with WRITE_LOCK:
             slot = self._slots.get(id(module))
             if slot is None:
                 slot = self._slots[id(module)] = _new_slot(module, self._forget)
-            elif key in slot.items:
-                return False
             slot.items[key] = value
             column = self._columns.get(id(key))
             if column is not None:
                 column[id(module)] = value
             journal_undo(lambda: self._discard(module, key))
-            return True
 
     def _discard(self, module: nn.Module, key: _K) -> None:
         slot = self._slots.get(id(module))
