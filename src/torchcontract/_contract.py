@@ -168,8 +168,9 @@ class Contract(Generic[_P, _R_co, _S]):
                 "positional argument"
             )
         given: Any = args[0]
-        if isinstance(given, nn.Module):
-            items = targets = [given]
+        first: object = given  # narrowed below; ``given`` stays what was passed
+        if isinstance(first, nn.Module):
+            items = targets = [first]
         else:
             # The items as given, kept apart from ``given``: the function may change that list.
             items = self._items(given)

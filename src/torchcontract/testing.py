@@ -35,7 +35,7 @@ from torch.utils import _pytree as pytree
 from typing_extensions import ParamSpec, TypeVar, TypeVarTuple
 
 from torchcontract import Contract, registry, take_snapshot
-from torchcontract.apis._torch import fork_rng, manual_seed
+from torchcontract.apis._torch import barrier, fork_rng, manual_seed
 
 __all__ = [
     "InvariantReport",
@@ -231,7 +231,7 @@ def _run_rank(job: _Job, rank: int) -> tuple[bool, object]:
         result = job.fn(rank, job.world_size, *job.args)
         # Every rank is done with the group before any takes it down: destroying it
         # while a peer still uses it can hang (torch 2.6's gloo does, now and then).
-        dist.barrier()
+        barrier()
     except BaseException as error:
         # Described here, before the group goes down and the other ranks fail in turn.
         return False, _Failure.of(error)
