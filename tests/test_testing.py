@@ -114,6 +114,20 @@ def test_the_timeout_error_shows_where_each_hung_rank_was(tmp_path: Path) -> Non
     assert all("in _sleep_and_record_pid" in section for section in sections)
 
 
+def _return_then_hang_in_teardown(rank: int, world_size: int) -> int:
+    def hang() -> None:
+        time.sleep(120)
+
+    vars(dist)["destroy_process_group"] = hang  # in this rank's process only
+    return rank
+
+
+def test_a_rank_hanging_in_teardown_holds_up_no_result() -> None:
+    started = time.monotonic()
+    assert run_distributed(_return_then_hang_in_teardown, 2, timeout=60.0) == [0, 1]
+    assert time.monotonic() - started < 30
+
+
 def test_hung_ranks_are_killed_at_the_timeout(tmp_path: Path) -> None:
     with pytest.raises(TimeoutError):
         run_distributed(_sleep_and_record_pid, 2, timeout=3.0, args=(str(tmp_path),))

@@ -109,12 +109,14 @@ def run_distributed(
 
     Each rank is a new process in a gloo process group on 127.0.0.1 (a free port,
     ``tcp://`` rendezvous), so ``fn`` and ``args`` must pickle: ``fn`` is a
-    module-level function, and so are the results. The group is destroyed once
-    every rank's ``fn`` returned (after a barrier: taking a group down while a peer
-    still uses it can hang), or when ``fn`` raises. ``start_method`` is ``"forkserver"`` where the
-    platform has it (ranks fork from a server that imported torch once, with
-    ``spawn``'s isolation, in milliseconds instead of seconds; they see the
-    environment variables of when the server started) and ``"spawn"`` otherwise.
+    module-level function, and so are the results. Each rank destroys the group
+    after reporting its result: once every rank's ``fn`` returned (they meet at a
+    barrier first: taking a group down while a peer still uses it can hang), or when
+    ``fn`` raises; a rank still tearing down when all have reported is stopped.
+    ``start_method`` is ``"forkserver"`` where the platform has it (ranks fork from
+    a server that imported torch once, with ``spawn``'s isolation, in milliseconds
+    instead of seconds; they see the environment variables of when the server
+    started) and ``"spawn"`` otherwise.
     Each rank uses ``threads_per_rank`` intra-op threads (default: the CPUs
     shared evenly).
 
@@ -212,14 +214,21 @@ def _rank_main(job: _Job, rank: int, writer: Connection) -> None:
         stack_file = open(_stack_path(job.stacks, rank), "w")  # noqa: SIM115 (lives as the rank)
         faulthandler.register(_DUMP_SIGNAL, file=stack_file, all_threads=True)
     try:
-        writer.send((rank, *_run_rank(job, rank)))
-    except BaseException as error:  # joining the group failed, or the result does not pickle
-        writer.send((rank, False, _Failure.of(error)))
+        try:
+            writer.send((rank, *_run_rank(job, rank)))
+        except BaseException as error:  # joining the group failed, or the result does not pickle
+            writer.send((rank, False, _Failure.of(error)))
+        finally:
+            writer.close()
     finally:
-        writer.close()
+        # Only after the report: a teardown that hangs (torch 2.6's gloo did, now and then)
+        # holds up no result, and run_distributed stops the rank once all have reported.
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _run_rank(job: _Job, rank: int) -> tuple[bool, object]:
+    """Join the group and run the function: ``(True, result)`` or ``(False, _Failure)``."""
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{job.port}",
@@ -235,10 +244,7 @@ def _run_rank(job: _Job, rank: int) -> tuple[bool, object]:
     except BaseException as error:
         # Described here, before the group goes down and the other ranks fail in turn.
         return False, _Failure.of(error)
-    else:
-        return True, result
-    finally:
-        dist.destroy_process_group()
+    return True, result
 
 
 def _collect(
