@@ -438,7 +438,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             barrier()
         finally:
             dist.destroy_process_group()
-        return
+        # Done, and the group is down: leave without finalizing the interpreter, where
+        # torch's C++ threads now and then abort the process (SIGABRT, "terminate called
+        # without an active exception") after the demo has finished and reported.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     started = time.perf_counter()
     print(
         f"training a small GPT on {arguments.nproc} gloo processes for {settings.steps} steps: "
