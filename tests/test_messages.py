@@ -7,6 +7,7 @@ match only a fragment; ``make mutate`` found these branches unpinned.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import attrs
 import pytest
@@ -70,6 +71,11 @@ def test_a_wrong_result_for_a_list_counts_the_other_modules() -> None:
 # ----------------------------------------------------------------- records
 
 
+@contract(Holder, store=StateStore())
+def holding(module: nn.Module) -> None:
+    pass
+
+
 @attrs.frozen
 class Keeps:
     """A state class whose default record holds a module."""
@@ -88,10 +94,6 @@ def test_a_state_class_whose_default_holds_a_module_is_refused_in_full() -> None
 
 
 def test_a_record_for_a_module_names_it_at_the_end() -> None:
-    @contract(Holder, store=StateStore())
-    def holding(module: nn.Module) -> None:
-        pass
-
     layer = holding(nn.Linear(2, 2))
     with pytest.raises(InvalidRecordError) as info:
         holding.set_state(layer, Holder(value=[layer]))
@@ -103,10 +105,6 @@ def test_a_record_for_a_module_names_it_at_the_end() -> None:
 def test_a_module_found_after_a_container_seen_before_is_refused() -> None:
     # The walk pops the last item first: both copies of ``shared`` come off before the
     # module does, and the second one, already seen, must not end the walk.
-    @contract(Holder, store=StateStore())
-    def holding(module: nn.Module) -> None:
-        pass
-
     layer = holding(nn.Linear(2, 2))
     shared = [1, 2]
     with pytest.raises(InvalidRecordError):
@@ -144,10 +142,6 @@ def test_records_of_an_api_without_state_can_be_set_and_updated() -> None:
 
 
 def test_the_state_method_on_the_class_reads_the_same_record() -> None:
-    @contract(Holder, store=StateStore())
-    def holding(module: nn.Module) -> None:
-        pass
-
     layer = holding(nn.Linear(2, 2))
     holding.set_state(layer, Holder(value=3))
     assert type(holding).state(holding, layer) == Holder(value=3)
@@ -160,14 +154,27 @@ class _Other(nn.Module):
     pass
 
 
-def test_a_class_change_and_a_forward_on_the_same_module_report_the_class() -> None:
+def _strict_error(change: Callable[[nn.Module], None]) -> str:
+    """The strict check's message after ``change`` to the Linear inside a Sequential."""
     model = nn.Sequential(nn.Linear(1, 1))
     before = take_snapshot(model)
-    model[0].__class__ = _Other
-    model[0].__dict__["forward"] = lambda x: x
+    change(model[0])
     with pytest.raises(ContractError) as info:
         check_strict("api", before, take_snapshot(model))
-    assert str(info.value) == (
+    return str(info.value)
+
+
+def _new_class_and_forward(layer: nn.Module) -> None:
+    layer.__class__ = _Other
+    layer.__dict__["forward"] = lambda x: x
+
+
+def _new_forward(layer: nn.Module) -> None:
+    layer.__dict__["forward"] = lambda x: x
+
+
+def test_a_class_change_and_a_forward_on_the_same_module_report_the_class() -> None:
+    assert _strict_error(_new_class_and_forward) == (
         "api changed the class of Linear at '0' to _Other, which is not a subclass of it; an API "
         "may only swap in a subclass (as fully_shard does), or pass strict=False to contract() to "
         "allow it"
@@ -175,12 +182,7 @@ def test_a_class_change_and_a_forward_on_the_same_module_report_the_class() -> N
 
 
 def test_a_forward_assigned_in_an_apply_is_refused_in_full() -> None:
-    model = nn.Sequential(nn.Linear(1, 1))
-    before = take_snapshot(model)
-    model[0].__dict__["forward"] = lambda x: x
-    with pytest.raises(ContractError) as info:
-        check_strict("api", before, take_snapshot(model))
-    assert str(info.value) == (
+    assert _strict_error(_new_forward) == (
         "api assigned forward on the instance of Linear at '0'; register a forward pre-hook or "
         "hook instead, or pass strict=False to contract() to allow it"
     )
