@@ -233,21 +233,29 @@ def test_hooks_reaching_the_module_by_weak_reference_do_not_keep_it_alive() -> N
     assert len(STORE) == 0
 
 
-def test_module_reusing_a_dead_modules_id_starts_without_state() -> None:
-    reused = 0
+def _modules_reusing_a_dead_id(apply: Callable[[nn.Module], object]) -> list[nn.Module]:
+    """Fresh modules that got the id of a module that ``apply`` was applied to and that died."""
+    reusing: list[nn.Module] = []
     for _ in range(200):
         module = nn.Linear(1, 1)
-        tagged(module, tag="old")
+        apply(module)
         dead = id(module)
         del module
         module = nn.Linear(1, 1)
         if id(module) == dead:
-            reused += 1
-            assert not tagged.is_applied(module)
-            assert tagged.get_state(module) is None
-            assert list(registry(module)) == []
-            assert dict(STORE.records(module)) == {}
-    assert reused > 0  # CPython hands the freed memory straight back
+            reusing.append(module)
+        del module  # the next round's dead module must be able to die
+    return reusing
+
+
+def test_module_reusing_a_dead_modules_id_starts_without_state() -> None:
+    reusing = _modules_reusing_a_dead_id(lambda module: tagged(module, tag="old"))
+    assert reusing  # CPython hands the freed memory straight back
+    for module in reusing:
+        assert not tagged.is_applied(module)
+        assert tagged.get_state(module) is None
+        assert list(registry(module)) == []
+        assert dict(STORE.records(module)) == {}
 
 
 def test_module_reusing_a_dead_modules_id_starts_without_state_in_a_store_made_later() -> None:
@@ -259,19 +267,12 @@ def test_module_reusing_a_dead_modules_id_starts_without_state_in_a_store_made_l
     def late(module: nn.Module) -> None:
         pass
 
-    reused = 0
-    for _ in range(200):
-        module = nn.Linear(1, 1)
-        late(module)
-        dead = id(module)
-        del module
-        module = nn.Linear(1, 1)
-        if id(module) == dead:
-            reused += 1
-            assert not late.is_applied(module)
-            assert late.get_state(module) is None
-            assert len(store) == 0
-    assert reused > 0
+    reusing = _modules_reusing_a_dead_id(late)
+    assert reusing
+    for module in reusing:
+        assert not late.is_applied(module)
+        assert late.get_state(module) is None
+    assert len(store) == 0
 
 
 @contract(Holder, store=STORE)

@@ -29,7 +29,7 @@ from ._errors import (
     InvalidTargetError,
     NotAppliedError,
 )
-from ._fqn import FQNSnapshot, check_strict, check_unchanged, descendants, walk, walk_error
+from ._fqn import FQNSnapshot, check_strict, check_unchanged, descendants, take_snapshot
 from ._registry import REGISTRY, Incompatible, RegistryEntry, check_compatible
 from ._store import (
     DEFAULT_STORE,
@@ -266,10 +266,7 @@ class Contract(Generic[_P, _R_co, _S]):
 
     def _snapshot(self, module: nn.Module) -> FQNSnapshot:
         """``module``'s FQN snapshot; a cyclic or too deep tree is an error naming this API."""
-        try:
-            return walk(module)
-        except RecursionError:
-            raise walk_error(module, self.name, module_label) from None
+        return take_snapshot(module, api_name=self.name, label=module_label)
 
     def _verify(self, before: FQNSnapshot, after: FQNSnapshot) -> None:
         check_unchanged(self.name, module_label, before, after)

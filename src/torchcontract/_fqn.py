@@ -34,15 +34,7 @@ from torch import nn
 
 from ._errors import ContractError, CyclicModuleTreeError, FQNChangedError
 
-__all__ = [
-    "FQNSnapshot",
-    "check_strict",
-    "check_unchanged",
-    "descendants",
-    "take_snapshot",
-    "walk",
-    "walk_error",
-]
+__all__ = ["FQNSnapshot", "check_strict", "check_unchanged", "descendants", "take_snapshot"]
 
 _SHOWN: Final = 8  # names listed per side in an error before "... and N more"
 _NONE_ID: Final = id(None)
@@ -192,14 +184,14 @@ def take_snapshot(
     root by ``label`` (its class name if None).
     """
     try:
-        return walk(root)
+        return _walk(root)
     except RecursionError:
         # Found only now, in a second walk: looking for cycles during the walk would
         # cost every snapshot a set insertion per module.
-        raise walk_error(root, api_name, label) from None
+        raise _walk_error(root, api_name, label) from None
 
 
-def walk(root: nn.Module) -> FQNSnapshot:
+def _walk(root: nn.Module) -> FQNSnapshot:
     """The snapshot of ``root``; a ``RecursionError`` for a cyclic or too deep tree."""
     attributes = root.__dict__
     params: _Members | None = attributes.get("_parameters")
@@ -296,7 +288,7 @@ def _members(module: nn.Module) -> tuple[_Members, _Members, Mapping[str, nn.Mod
     return module._parameters, module._buffers, module._modules
 
 
-def walk_error(
+def _walk_error(
     root: nn.Module, api_name: str, label: Callable[[nn.Module], str] | None
 ) -> ContractError:
     """Why the walk of ``root`` went too deep: a cycle, or a tree nested too deeply."""

@@ -77,7 +77,7 @@ class Cell(Generic[_V]):
 class ModuleTable(Generic[_K, _V]):
     """Weak, identity-keyed map ``module -> {key: value}``: the core of store and registry."""
 
-    __slots__ = ("__weakref__", "_column_keys", "_columns", "_forget", "_slots")
+    __slots__ = ("__weakref__", "_column_keys", "_columns", "_drop_column", "_forget", "_slots")
 
     def __init__(self) -> None:
         self._slots: dict[int, _Slot[_K, _V]] = {}
@@ -88,7 +88,9 @@ class ModuleTable(Generic[_K, _V]):
         # never keeps alive an API that no live module holds.
         self._columns: dict[int, dict[int, _V]] = {}
         self._column_keys: dict[int, _KeyRef] = {}
+        # One callback per table for every row, and one for every column's key.
         self._forget = _forgetter(weakref.ref(self))
+        self._drop_column = _column_dropper(weakref.ref(self))
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -118,7 +120,7 @@ class ModuleTable(Generic[_K, _V]):
                     for module_id, slot in list(self._slots.items())
                     if key in slot.items
                 }
-                self._column_keys[id(key)] = _new_key_ref(key, _column_dropper(weakref.ref(self)))
+                self._column_keys[id(key)] = _new_key_ref(key, self._drop_column)
             return column
 
     def modules_with(self, key: _K) -> list[nn.Module]:

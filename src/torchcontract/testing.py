@@ -183,7 +183,7 @@ class _Job:
     port: int
     timeout: float
     threads: int
-    stacks: str  # the directory where a rank writes its stack when asked (_dump_signal)
+    stacks: str  # the directory where a rank writes its stacks when asked (_DUMP_SIGNAL)
 
 
 @attrs.frozen
