@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -87,6 +88,10 @@ def contents(
     are read on every module; the APIs that have records in ``stores`` are always
     read too.
     """
+    # Garbage that an earlier test left (a traceback's frame holding a module, say)
+    # still has rows until collected, and ``sizes`` counts them: collect it now, so
+    # that no collection between two snapshots can change what they compare.
+    gc.collect()
     rows: list[tuple[str, str, str, int]] = []
     reads: list[tuple[str, str, bool, int, int]] = []
     values: list[object] = []

@@ -315,6 +315,85 @@ def test_record_holding_a_module_names_the_module_it_is_for() -> None:
         holding.set_state(model[0], Holder(model[0].forward))
 
 
+@attrs.frozen
+class Mixed:
+    """A record of three fields, for the checks that look past the first field."""
+
+    number: int = 0
+    items: tuple[object, ...] = ()
+    last: object = None
+
+
+@attrs.frozen
+class CountWithNote(Count):
+    """A subclass of the state class ``Count``: its records are records of ``Count`` too."""
+
+    note: str = ""
+    owner: object = None
+
+
+@contract(Mixed, store=STORE)
+def mixed(module: nn.Module) -> None:
+    pass
+
+
+def _mixed_records(module: nn.Module) -> list[Mixed]:
+    return [
+        Mixed(1, (2, "three", None), 4.0),
+        Mixed(items=((1, 2), [3]), last={"key": (1.5,)}),
+        Mixed(last=weakref.ref(module)),
+        Mixed(items=(weakref.proxy(module),)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(4), ids=["atoms", "containers", "weakref", "proxy"])
+def test_records_with_values_beyond_atoms_in_any_field_are_accepted(index: int) -> None:
+    module = nn.Linear(1, 1)
+    mixed(module)
+    record = _mixed_records(module)[index]
+    assert mixed.update(module, lambda _: record) is record
+    assert mixed.state(module) is record
+    mixed.set_state(module, Mixed())
+    mixed.set_state(module, record)
+    assert mixed.state(module) is record
+
+
+@pytest.mark.parametrize(
+    ("field", "record_for"),
+    [
+        ("items", lambda module: Mixed(items=(1, module))),
+        ("last", lambda module: Mixed(last=[module])),
+        ("last", lambda module: Mixed(1, (2,), module.forward)),
+    ],
+    ids=["second-field", "last-field", "after-atoms"],
+)
+def test_a_module_in_any_field_is_refused_by_update_naming_the_field(
+    field: str, record_for: Callable[[nn.Module], Mixed]
+) -> None:
+    module = nn.Linear(1, 1)
+    mixed(module)
+    old = mixed.state(module)
+    record = record_for(module)
+    words = f"mixed.update: field {field!r} of Mixed holds an nn.Module"
+    with pytest.raises(InvalidRecordError, match=words):
+        mixed.update(module, lambda _: record)
+    assert mixed.state(module) is old
+
+
+def test_update_accepts_a_record_of_a_subclass_of_the_state_class() -> None:
+    module = _applied()
+    noted = counted.update(module, lambda record: CountWithNote(record.n + 1, note="noted"))
+    assert counted.state(module) is noted
+    assert noted == CountWithNote(2, note="noted")
+    refused = CountWithNote(3, owner=(1, module))
+    words = "counted.update: field 'owner' of CountWithNote holds an nn.Module"
+    with pytest.raises(InvalidRecordError, match=words):
+        counted.update(module, lambda _: refused)
+    with pytest.raises(InvalidRecordError, match=words.replace("update", "set_state")):
+        counted.set_state(module, refused)
+    assert counted.state(module) is noted
+
+
 def test_record_holding_a_weak_reference_or_a_cyclic_list_is_accepted() -> None:
     module = nn.Linear(1, 1)
     holding(module)

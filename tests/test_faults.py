@@ -22,6 +22,7 @@ from torchcontract import (
     Application,
     Contract,
     Incompatible,
+    InvalidRecordError,
     NotAppliedError,
     RegistryEntry,
     StateStore,
@@ -229,6 +230,18 @@ def test_fault_in_an_update_transition_keeps_the_record_and_frees_the_lock() -> 
         other.update(model, interrupted)
     assert contents(model, STORES, APIS) == before
     assert run_alone(lambda: other.update(model, bump)).error is None
+
+
+def test_write_lock_is_free_after_an_update_refused_its_record_or_its_module() -> None:
+    model = _prepared()
+    untyped_update: Callable[..., object] = other.update
+    with pytest.raises(InvalidRecordError, match=r"other\.update: expected a record of class"):
+        untyped_update(model, lambda record: None)
+    assert run_alone(lambda: other.update(model, bump)).error is None
+    with pytest.raises(NotAppliedError, match="other is not applied to Linear"):
+        other.update(nn.Linear(1, 1), bump)
+    assert run_alone(lambda: other.update(model, bump)).error is None
+    assert other.state(model) == Count(2)
 
 
 def _fails_when_asked(entry: RegistryEntry) -> bool:

@@ -36,9 +36,8 @@ __all__ = [
     "Cell",
     "ModuleTable",
     "StateStore",
+    "atoms_only_test",
     "check_holds_no_module",
-    "field_reader",
-    "holds_only_atoms",
 ]
 
 _K = TypeVar("_K", bound=Hashable)
@@ -235,19 +234,21 @@ def check_holds_no_module(
             )
 
 
-def field_reader(field_names: tuple[str, ...]) -> Callable[[object], tuple[object, ...]]:
-    """A function returning a record's field values as a tuple, read in C (``attrgetter``)."""
+def atoms_only_test(field_names: tuple[str, ...]) -> Callable[[object], bool]:
+    """A test, built once per record class, of whether every field holds an atom.
+
+    An atom holds nothing (see ``_ATOMS``), so a record passing the test needs no
+    walk for modules. Fields are read in C (``attrgetter``).
+    """
+    atoms = _ATOMS
     if not field_names:
-        return lambda record: ()
+        return lambda record: True
     if len(field_names) == 1:
-        # attrgetter of one name returns the value itself; of two, a tuple.
-        return operator.attrgetter(field_names[0], field_names[0])
-    return operator.attrgetter(*field_names)
-
-
-def holds_only_atoms(values: tuple[object, ...]) -> bool:
-    """Whether every value is of a type that holds nothing: the record needs no walk."""
-    return _ATOMS.issuperset(map(type, values))
+        read_one = operator.attrgetter(field_names[0])  # one name: the value, not a tuple
+        return lambda record: type(read_one(record)) in atoms
+    read = operator.attrgetter(*field_names)
+    covers = atoms.issuperset
+    return lambda record: covers(map(type, read(record)))
 
 
 #: Values that cannot hold anything: most record fields, answered without a walk.

@@ -24,9 +24,9 @@ _Undo = Callable[[], None]
 _JOURNAL: Final[ContextVar[list[_Undo] | None]] = ContextVar("torchcontract_journal", default=None)
 
 
-def open_journal() -> list[_Undo] | None:
-    """The journal of the transaction open in this context, or None outside any."""
-    return _JOURNAL.get()
+#: The journal of the transaction open in this context, or None outside any. The
+#: context variable's own method: ``Contract.update`` calls it on every write.
+open_journal: Final[Callable[[], list[_Undo] | None]] = _JOURNAL.get
 
 
 def journal_undo(undo: _Undo) -> None:
