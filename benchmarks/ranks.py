@@ -36,7 +36,9 @@ __all__ = [
 WORLD_SIZE: Final = 2
 ROUNDS: Final = 40
 WARMUP_ROUNDS: Final = 5
-ALTERNATING_ROUNDS: Final = 30
+# Enough steps that the medians of two libraries within a few percent of each other
+# come out in the same order run after run.
+ALTERNATING_ROUNDS: Final = 120
 TIMEOUT: Final = timedelta(seconds=120)
 
 Serve = Callable[[int, int, int], int]
@@ -91,10 +93,14 @@ class ServingRanks:
         self.in_rank[key].append(max(float(self.store.get(name)) for name in done))
 
     def alternate(self, rounds: int) -> dict[str, float]:
-        """Median in-rank step time of every key over ``rounds`` steps each, taken in turn."""
+        """Median in-rank step time of every key over ``rounds`` steps each, taken in turn.
+
+        Every other round takes the keys in reverse, so that no key always follows
+        the same one (whose step leaves the caches and the allocator in its state).
+        """
         first = {key: len(steps) for key, steps in self.in_rank.items()}
-        for _ in range(WARMUP_ROUNDS + rounds):
-            for key in self.keys:
+        for index in range(WARMUP_ROUNDS + rounds):
+            for key in self.keys if index % 2 == 0 else self.keys[::-1]:
                 self.step(key)
         return {
             key: statistics.median(self.in_rank[key][first[key] + WARMUP_ROUNDS :])

@@ -199,6 +199,26 @@ def test_a_dropped_api_leaves_no_column_in_the_default_store_or_the_registry() -
     assert left == [False, False, False, False]
 
 
+def test_a_dropped_api_leaves_no_column_in_a_store_that_outlives_it() -> None:
+    """The same for a store made here: its tables' callbacks are made with it."""
+    store = StateStore()
+
+    @contract(Count, store=store)
+    def local(module: nn.Module) -> None:
+        pass
+
+    model = _model()
+    local(model)
+    key = id(local)
+    assert (key in store._table._columns, key in store._table._column_keys) == (True, True)
+    api = weakref.ref(local)
+    del local, model  # the model's row holds the API, as its registry entry does
+    gc.collect()
+    assert api() is None
+    assert (key in store._table._columns, key in store._table._column_keys) == (False, False)
+    assert len(store) == 0
+
+
 def test_models_die_without_the_cycle_collector() -> None:
     # The library adds no reference cycle through a module, and a hook that reaches
     # its module through a weak reference adds none either: dropping the last

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TypeVar
 
 import attrs
 import pytest
@@ -19,6 +20,7 @@ from torch.distributed._composable.checkpoint_activation import checkpoint as to
 from torchcontract import (
     AnyContract,
     ArgumentBindingError,
+    Contract,
     ContractError,
     CyclicModuleTreeError,
     Incompatible,
@@ -27,6 +29,7 @@ from torchcontract import (
     InvalidResultError,
     InvalidStateClassError,
     InvalidTargetError,
+    NotAppliedError,
     RegistryEntry,
     RulePredicateError,
     StateStore,
@@ -145,6 +148,140 @@ def test_the_state_method_on_the_class_reads_the_same_record() -> None:
     layer = holding(nn.Linear(2, 2))
     holding.set_state(layer, Holder(value=3))
     assert type(holding).state(holding, layer) == Holder(value=3)
+
+
+def test_the_update_method_on_the_class_updates_the_same_record() -> None:
+    layer = holding(nn.Linear(2, 2))
+    assert type(holding).update(holding, layer, lambda _: Holder(value=4)) == Holder(value=4)
+    assert holding.state(layer) == Holder(value=4)
+
+
+# ----------------------------------------------------------------- update and set_state
+#
+# ``state`` and ``update`` are closures each contract builds when it is made, so the
+# tests below make their contracts inside the test: a contract made at import would
+# keep the closures it was made with, whatever changed since.
+
+
+@attrs.frozen
+class _Three:
+    n: int = 0
+    items: tuple[object, ...] = ()
+    last: object = None
+
+
+@attrs.frozen
+class _Noted(_Three):
+    note: object = None
+
+
+def _fresh_contracts() -> tuple[
+    Contract[[nn.Module], nn.Module, Holder], Contract[[nn.Module], nn.Module, _Three]
+]:
+    @contract(Holder, store=StateStore())
+    def one_field(module: nn.Module) -> None:
+        pass
+
+    @contract(_Three, store=StateStore())
+    def three_fields(module: nn.Module) -> None:
+        pass
+
+    return one_field, three_fields
+
+
+_T = TypeVar("_T")
+
+
+def _constant(record: _T) -> Callable[[object], _T]:
+    """A transition to ``record``, whatever the record was."""
+    return lambda _: record
+
+
+_MODULE_HELD = (
+    "holds an nn.Module (itself, in a container, or through a bound method, a closure or a "
+    "functools.partial), which would keep the module alive forever"
+)
+_KEEP = "store its FQN or a weakref.ref to it instead (record for Linear)"
+
+
+def test_update_refuses_a_record_holding_its_module_in_every_field_in_full() -> None:
+    one_field, three_fields = _fresh_contracts()
+    layer = nn.Linear(2, 2)
+    one_field(layer)
+    three_fields(layer)
+    cases: list[tuple[AnyContract, object, str]] = [
+        (one_field, Holder(value=layer), "field 'value' of Holder"),
+        (one_field, Holder(value=(1, layer)), "field 'value' of Holder"),
+        (three_fields, _Three(items=(layer,)), "field 'items' of _Three"),
+        (three_fields, _Three(1, (2,), layer), "field 'last' of _Three"),
+        (three_fields, _Noted(note=layer.forward), "field 'note' of _Noted"),
+    ]
+    for api, record, field in cases:
+        old = api.state(layer)
+        with pytest.raises(InvalidRecordError) as by_update:
+            api.update(layer, _constant(record))
+        with pytest.raises(InvalidRecordError) as by_set_state:
+            api.set_state(layer, record)
+        for method, info in (("update", by_update), ("set_state", by_set_state)):
+            assert str(info.value) == f"{api.name}.{method}: {field} {_MODULE_HELD}; {_KEEP}"
+        assert api.state(layer) is old
+
+
+def test_update_takes_records_of_atoms_containers_and_subclasses() -> None:
+    one_field, three_fields = _fresh_contracts()
+    layer = nn.Linear(2, 2)
+    one_field(layer)
+    three_fields(layer)
+    for record in (Holder(value=1), Holder(value=(1, "two")), Holder(value=None)):
+        assert one_field.update(layer, _constant(record)) is record
+    for three in (_Three(1, (2, 3), "four"), _Noted(1, note="noted"), _Noted(note=(5,))):
+        assert three_fields.update(layer, _constant(three)) is three
+        assert three_fields.state(layer) is three
+
+
+def test_update_refuses_a_record_of_another_class_in_full() -> None:
+    one_field, three_fields = _fresh_contracts()
+    layer = nn.Linear(2, 2)
+    three_fields(layer)
+    untyped: Callable[..., object] = three_fields.update
+    with pytest.raises(InvalidRecordError) as info:
+        untyped(layer, lambda _: Holder(value=1))
+    assert str(info.value) == (
+        f"{three_fields.name}.update: expected a record of class _Three, got Holder for "
+        "Linear; build one with attrs.evolve(record, ...)"
+    )
+    assert three_fields.state(layer) == _Three()
+    assert one_field.get_state(layer) is None
+
+
+def test_update_of_a_module_without_the_api_names_both_in_full() -> None:
+    one_field, _ = _fresh_contracts()
+    with pytest.raises(NotAppliedError) as info:
+        one_field.update(nn.Linear(2, 2), lambda record: record)
+    assert str(info.value) == (
+        f"{one_field.name} is not applied to Linear; apply it first, "
+        "or use get_state() to get None instead"
+    )
+
+
+def test_updates_inside_a_failed_apply_are_undone_in_full() -> None:
+    one_field, three_fields = _fresh_contracts()
+    layer = nn.Linear(2, 2)
+    one_field(layer)
+    before = one_field.state(layer)
+
+    @contract(store=StateStore())
+    def failing(module: nn.Module) -> None:
+        one_field.update(module, lambda _: Holder(value=1))
+        one_field.update(module, lambda _: Holder(value=2))
+        three_fields(module)
+        three_fields.update(module, lambda record: attrs.evolve(record, n=3))
+        raise ValueError("the API failed")
+
+    with pytest.raises(ValueError, match=r"^the API failed$"):
+        failing(layer)
+    assert one_field.state(layer) is before
+    assert not three_fields.is_applied(layer)
 
 
 # ----------------------------------------------------------------- the strict check

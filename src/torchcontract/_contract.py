@@ -130,7 +130,6 @@ class Contract(Generic[_P, _R_co, _S]):
         self.__name__: str = func.__name__
         self.__qualname__: str = func.__qualname__
         self._func = func
-        self._fields = fields
         self.state_cls = state_cls
         self.store = store
         self.rules = rules
