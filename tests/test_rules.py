@@ -507,3 +507,31 @@ def test_rules_narrowed_by_when_build_no_module_label_unless_they_fail() -> None
     entry = RegistryEntry(sharding, (), {})
     check_compatible(entry, [layer], [take_snapshot(layer)], _no_label)  # reads the old entry
     assert pinned.is_applied(elsewhere)
+
+
+def test_a_declaring_api_applied_nowhere_hides_no_other_declarers_rule() -> None:
+    """Rules are read from every declaring API that is applied somewhere.
+
+    Which declaring API is read first depends on addresses, so the case is built
+    many times over: one that is applied nowhere comes first in some of them.
+    """
+    for _ in range(30):
+        store = StateStore()
+
+        @contract(store=store)
+        def named(module: nn.Module) -> None:
+            pass
+
+        @contract(store=store, incompatible_with=[Incompatible(named)])
+        def applied_nowhere(module: nn.Module) -> None:
+            pass
+
+        @contract(store=store, incompatible_with=[Incompatible(named)])
+        def applied(module: nn.Module) -> None:
+            pass
+
+        layer = applied(nn.Linear(1, 1))
+        words = r"<locals>\.named cannot be combined with .*<locals>\.applied, already applied"
+        with pytest.raises(IncompatibleAPIError, match=words):
+            named(layer)
+        assert not named.is_applied(layer) and not applied_nowhere.is_applied(layer)

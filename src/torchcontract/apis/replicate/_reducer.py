@@ -100,7 +100,8 @@ class Reducer:
     def _set_buckets(self, buckets: Sequence[Sequence[int]]) -> None:
         self._buckets = tuple(tuple(bucket) for bucket in buckets)
         # Per bucket, allocated at its first launch: a flat buffer (the gradients, then
-        # one used-flag per parameter) and its views; kept across backwards, as DDP's.
+        # one used-flag per parameter) and its views, one per parameter in the
+        # parameter's shape and then the flags; kept across backwards, as DDP's.
         self._flats: list[Tensor] = [torch.empty(0)] * len(self._buckets)
         self._views: list[list[Tensor] | None] = [None] * len(self._buckets)
         self._bucket_of = [0] * len(self._names)
@@ -185,9 +186,10 @@ class Reducer:
         if views is None:
             views = self._allocate(position)
         # As DDP: multiply by the reciprocal (bit-equal averages). A small bucket whose
-        # gradients are all present and dense takes one cat and one in-place multiply,
-        # both in C (a Python call per parameter would cost more than the second pass);
-        # a large one is scaled while copied in, in one pass, parameter by parameter.
+        # gradients are all present and dense takes one copy of them all and one
+        # in-place multiply, both in C (a Python call per parameter would cost more
+        # than the second pass); a large one is scaled while copied in, in one pass,
+        # parameter by parameter.
         scale = 1.0 / self._group.size()
         flat = self._flats[position]
         flags = torch.tensor(
@@ -197,7 +199,7 @@ class Reducer:
         dense = [grad for grad in grads if grad is not None and not grad.is_sparse]
         small = flat.numel() * flat.element_size() <= FIRST_BUCKET_BYTES
         if small and len(dense) == len(grads):
-            torch.cat([*(grad.reshape(-1) for grad in dense), flags], out=flat)
+            _torch.copy_each(views, [*dense, flags])
             flat.mul_(scale)
         else:
             self._copy_in(bucket, grads, views, scale)
@@ -222,16 +224,27 @@ class Reducer:
                     "DistributedDataParallel"
                 )
             else:
-                torch.mul(grad.reshape(-1), scale, out=view)
+                torch.mul(grad, scale, out=view)
 
     def _allocate(self, position: int) -> list[Tensor]:
-        """Make a bucket's flat buffer, kept across backwards, and its views per parameter."""
+        """Make a bucket's flat buffer, kept across backwards, and its views per parameter.
+
+        Each parameter's view has the parameter's shape, made once here rather than
+        on every copy in and out.
+        """
         bucket = self._buckets[position]
-        first = self._parameter(bucket[0])
-        sizes = [self._parameter(index).numel() for index in bucket]
+        parameters = [self._parameter(index) for index in bucket]
+        sizes = [parameter.numel() for parameter in parameters]
+        first = parameters[0]
         flat = torch.empty(sum(sizes) + len(bucket), dtype=first.dtype, device=first.device)
         self._flats[position] = flat
-        views = self._views[position] = list(torch.split(flat, [*sizes, len(bucket)]))
+        pieces = torch.split(flat, [*sizes, len(bucket)])
+        views = [
+            piece.view(parameter.shape)
+            for piece, parameter in zip(pieces, parameters, strict=False)
+        ]
+        views.append(pieces[-1])  # the used-flags
+        self._views[position] = views
         return views
 
     def _parameter(self, index: int) -> Tensor:
@@ -272,11 +285,12 @@ class Reducer:
             if not was_used:
                 continue
             parameter = self._parameter(index)
-            if parameter.grad is None:
-                parameter.grad = average.view_as(parameter).clone()
+            grad = parameter.grad
+            if grad is None:
+                parameter.grad = average.clone()
             else:
-                grads.append(parameter.grad)
-                averages.append(average.view_as(parameter))
+                grads.append(grad)
+                averages.append(average)
         if grads:
             _torch.copy_each(grads, averages)  # one call for the whole bucket
 
