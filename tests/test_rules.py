@@ -534,4 +534,4 @@ def test_a_declaring_api_applied_nowhere_hides_no_other_declarers_rule() -> None
         words = r"<locals>\.named cannot be combined with .*<locals>\.applied, already applied"
         with pytest.raises(IncompatibleAPIError, match=words):
             named(layer)
-        assert not named.is_applied(layer) and not applied_nowhere.is_applied(layer)
+        assert (named.is_applied(layer), applied_nowhere.is_applied(layer)) == (False, False)
