@@ -57,6 +57,15 @@ class Holder:
     value: object = None
 
 
+@attrs.frozen
+class Mixed:
+    """A record of three fields, for the record checks that look past the first field."""
+
+    n: int = 0
+    items: tuple[object, ...] = ()
+    last: object = None
+
+
 # ----------------------------------------------------------------- store contents
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import Count, Holder, bump, contents, examples, module_trees, non_modules
+from strategies import Count, Holder, Mixed, bump, contents, examples, module_trees, non_modules
 from torch import nn
 from torch.distributed._composable.contract import contract as torch_contract
 
@@ -313,15 +313,6 @@ def test_record_holding_a_module_names_the_module_it_is_for() -> None:
     holding(model[0])
     with pytest.raises(InvalidRecordError, match=r"\(record for Linear '0' of Sequential\)$"):
         holding.set_state(model[0], Holder(model[0].forward))
-
-
-@attrs.frozen
-class Mixed:
-    """A record of three fields, for the checks that look past the first field."""
-
-    number: int = 0
-    items: tuple[object, ...] = ()
-    last: object = None
 
 
 @attrs.frozen

@@ -13,7 +13,7 @@ from typing import TypeVar
 import attrs
 import pytest
 import torch
-from strategies import Holder
+from strategies import Holder, Mixed
 from torch import nn
 from torch.distributed._composable.checkpoint_activation import checkpoint as torch_checkpoint
 
@@ -164,25 +164,18 @@ def test_the_update_method_on_the_class_updates_the_same_record() -> None:
 
 
 @attrs.frozen
-class _Three:
-    n: int = 0
-    items: tuple[object, ...] = ()
-    last: object = None
-
-
-@attrs.frozen
-class _Noted(_Three):
+class _Noted(Mixed):
     note: object = None
 
 
 def _fresh_contracts() -> tuple[
-    Contract[[nn.Module], nn.Module, Holder], Contract[[nn.Module], nn.Module, _Three]
+    Contract[[nn.Module], nn.Module, Holder], Contract[[nn.Module], nn.Module, Mixed]
 ]:
     @contract(Holder, store=StateStore())
     def one_field(module: nn.Module) -> None:
         pass
 
-    @contract(_Three, store=StateStore())
+    @contract(Mixed, store=StateStore())
     def three_fields(module: nn.Module) -> None:
         pass
 
@@ -212,8 +205,8 @@ def test_update_refuses_a_record_holding_its_module_in_every_field_in_full() -> 
     cases: list[tuple[AnyContract, object, str]] = [
         (one_field, Holder(value=layer), "field 'value' of Holder"),
         (one_field, Holder(value=(1, layer)), "field 'value' of Holder"),
-        (three_fields, _Three(items=(layer,)), "field 'items' of _Three"),
-        (three_fields, _Three(1, (2,), layer), "field 'last' of _Three"),
+        (three_fields, Mixed(items=(layer,)), "field 'items' of Mixed"),
+        (three_fields, Mixed(1, (2,), layer), "field 'last' of Mixed"),
         (three_fields, _Noted(note=layer.forward), "field 'note' of _Noted"),
     ]
     for api, record, field in cases:
@@ -234,7 +227,7 @@ def test_update_takes_records_of_atoms_containers_and_subclasses() -> None:
     three_fields(layer)
     for record in (Holder(value=1), Holder(value=(1, "two")), Holder(value=None)):
         assert one_field.update(layer, _constant(record)) is record
-    for three in (_Three(1, (2, 3), "four"), _Noted(1, note="noted"), _Noted(note=(5,))):
+    for three in (Mixed(1, (2, 3), "four"), _Noted(1, note="noted"), _Noted(note=(5,))):
         assert three_fields.update(layer, _constant(three)) is three
         assert three_fields.state(layer) is three
 
@@ -247,10 +240,10 @@ def test_update_refuses_a_record_of_another_class_in_full() -> None:
     with pytest.raises(InvalidRecordError) as info:
         untyped(layer, lambda _: Holder(value=1))
     assert str(info.value) == (
-        f"{three_fields.name}.update: expected a record of class _Three, got Holder for "
+        f"{three_fields.name}.update: expected a record of class Mixed, got Holder for "
         "Linear; build one with attrs.evolve(record, ...)"
     )
-    assert three_fields.state(layer) == _Three()
+    assert three_fields.state(layer) == Mixed()
     assert one_field.get_state(layer) is None
 
 
