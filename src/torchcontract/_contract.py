@@ -432,6 +432,7 @@ def _updater(
 
 
 def _undo_write(cell: Cell[Any], record: object, old: object) -> None:
+    """The undo step of one write: ``old`` back in ``cell``, unless ``record`` was replaced."""
     if cell.record is record:
         cell.record = old
 
