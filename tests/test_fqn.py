@@ -385,3 +385,20 @@ def test_descendants_lists_a_module_shared_by_two_paths_once() -> None:
     shared = nn.Linear(1, 1)
     root = nn.Sequential(shared, nn.Sequential(shared))
     assert [id(module) for module in descendants(root)] == [id(shared), id(root[1])]
+
+
+def test_snapshots_are_made_only_by_take_snapshot() -> None:
+    words = r"^FQNSnapshot: snapshots are made by take_snapshot\(module\); call that$"
+    with pytest.raises(TypeError, match=words):
+        FQNSnapshot()
+
+
+def test_a_leaf_snapshot_reads_its_instance_forward_and_shares_nothing_it_reads() -> None:
+    plain, patched = nn.Linear(2, 2), nn.Linear(2, 2)
+    patched.__dict__["forward"] = patched.forward  # an instance forward, as a patch sets
+    first, second = take_snapshot(plain), take_snapshot(plain)
+    assert first.forwards == second.forwards == (None,)
+    assert take_snapshot(patched).forwards == (patched.__dict__["forward"],)
+    assert first.same_as(second)
+    assert first.classes == (nn.Linear,)
+    assert first.module_fqns == ("",)

@@ -28,6 +28,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import chain, compress, repeat
 from operator import is_, ne
+from types import MappingProxyType
 from typing import Final
 
 from torch import nn
@@ -39,6 +40,9 @@ __all__ = ["FQNSnapshot", "check_strict", "check_unchanged", "descendants", "tak
 _SHOWN: Final = 8  # names listed per side in an error before "... and N more"
 _NONE_ID: Final = id(None)
 _NO_FORWARD: Final = object()
+
+#: What a walk copies of one kind of member: counts per module, keys, ids of the values.
+_MemberCopy = tuple[list[int], list[str], list[int]]
 
 
 class FQNSnapshot:
@@ -53,25 +57,21 @@ class FQNSnapshot:
     """
 
     # Few slots: a snapshot is built twice per apply, and each slot written costs.
-    # ``_tree`` is (depths, names); ``_params`` and ``_buffs`` are (counts per module,
-    # keys, value ids); ``_names`` caches the FQN tuples built from them, by kind.
+    # ``_tree`` is (depths, names); ``_forwards`` maps a module's position to its
+    # instance ``forward``; ``_params`` and ``_buffs`` are (counts per module, keys,
+    # value ids); ``_names`` caches the FQN tuples built from them, by kind. Filled
+    # by ``_snapshot``, the one place a snapshot is built.
     __slots__ = ("_buffs", "_forwards", "_names", "_params", "_tree", "classes", "modules")
+    modules: tuple[nn.Module, ...]
+    classes: tuple[type[nn.Module], ...]
+    _tree: tuple[list[int], list[str]]
+    _forwards: Mapping[int, object]
+    _params: _MemberCopy
+    _buffs: _MemberCopy
+    _names: dict[str, tuple[str, ...]] | None
 
-    def __init__(
-        self,
-        modules: list[nn.Module],
-        tree: tuple[list[int], list[str]],
-        forwards: dict[int, object],
-        params: tuple[list[int], list[str], list[int]],
-        buffers: tuple[list[int], list[str], list[int]],
-    ) -> None:
-        self.modules: tuple[nn.Module, ...] = tuple(modules)
-        self.classes: tuple[type[nn.Module], ...] = tuple(map(type, modules))
-        self._tree = tree
-        self._forwards = forwards
-        self._params = params
-        self._buffs = buffers
-        self._names: dict[str, tuple[str, ...]] | None = None
+    def __init__(self) -> None:
+        raise TypeError("FQNSnapshot: snapshots are made by take_snapshot(module); call that")
 
     def _cached(self, kind: str, build: Callable[[], tuple[str, ...]]) -> tuple[str, ...]:
         names = self._names
@@ -119,7 +119,7 @@ class FQNSnapshot:
         """Module FQNs, as the names of ``named_modules(remove_duplicate=False)``."""
         return self._cached("modules", lambda: self._build_fqns()[0])
 
-    def _member_names(self, members: tuple[list[int], list[str], list[int]]) -> list[str]:
+    def _member_names(self, members: _MemberCopy) -> list[str]:
         """Each member key of ``members`` joined to the prefix of the module it belongs to."""
         prefixes = self._cached("prefixes", lambda: self._build_fqns()[1])
         counts, keys, _ = members
@@ -170,6 +170,33 @@ class FQNSnapshot:
         )
 
 
+def _snapshot(
+    modules: tuple[nn.Module, ...],
+    classes: tuple[type[nn.Module], ...],
+    tree: tuple[list[int], list[str]],
+    *,
+    forwards: Mapping[int, object],
+    params: _MemberCopy,
+    buffers: _MemberCopy,
+) -> FQNSnapshot:
+    """A snapshot of what one walk copied, built without a Python-level ``__init__``."""
+    snapshot = _new(FQNSnapshot)
+    snapshot.modules = modules
+    snapshot.classes = classes
+    snapshot._tree = tree
+    snapshot._forwards = forwards
+    snapshot._params = params
+    snapshot._buffs = buffers
+    snapshot._names = None
+    return snapshot
+
+
+_new: Final = object.__new__
+#: The tree and forwards of a leaf without an instance ``forward``: shared, never written.
+_LEAF_TREE: Final = ([0], [""])
+_NO_FORWARDS: Final[Mapping[int, object]] = MappingProxyType({})
+
+
 def take_snapshot(
     root: nn.Module,
     *,
@@ -200,12 +227,13 @@ def _walk(root: nn.Module) -> FQNSnapshot:
         # A leaf (most applies target one): its members directly, no walk to set up.
         # (Anything else, a traced module included, takes the walk below.)
         forward = attributes.get("forward", _NO_FORWARD)
-        return FQNSnapshot(
-            [root],
-            ([0], [""]),
-            {} if forward is _NO_FORWARD else {0: forward},
-            ([len(params)], list(params), list(map(id, params.values()))),
-            ([len(buffers)], list(buffers), list(map(id, buffers.values()))),
+        return _snapshot(
+            (root,),
+            (type(root),),
+            _LEAF_TREE,
+            forwards=_NO_FORWARDS if forward is _NO_FORWARD else {0: forward},
+            params=([len(params)], list(params), list(map(id, params.values()))),
+            buffers=([len(buffers)], list(buffers), list(map(id, buffers.values()))),
         )
     modules: list[nn.Module] = []
     depths: list[int] = []
@@ -267,13 +295,14 @@ def _walk(root: nn.Module) -> FQNSnapshot:
                 recurse(child, child_name, depth, recurse)
 
     visit(root, "", 0, visit)
-    return FQNSnapshot(
-        modules,
+    return _snapshot(
+        tuple(modules),
+        tuple(map(type, modules)),
         (depths, names),
-        forwards,
+        forwards=forwards,
         # Ids taken in one pass at the end: cheaper than one map per module.
-        (param_counts, param_keys, list(map(id, param_values))),
-        (buffer_counts, buffer_keys, list(map(id, buffer_values))),
+        params=(param_counts, param_keys, list(map(id, param_values))),
+        buffers=(buffer_counts, buffer_keys, list(map(id, buffer_values))),
     )
 
 
