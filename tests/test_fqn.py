@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 import weakref
 
 import pytest
@@ -402,3 +404,23 @@ def test_a_leaf_snapshot_reads_its_instance_forward_and_shares_nothing_it_reads(
     assert first.same_as(second)
     assert first.classes == (nn.Linear,)
     assert first.module_fqns == ("",)
+
+
+@pytest.mark.parametrize(
+    "model",
+    [nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))],
+    ids=["leaf", "tree"],
+)
+def test_snapshots_survive_copying_and_pickling(model: nn.Module) -> None:
+    snapshot = take_snapshot(model)
+    for copied in (
+        copy.copy(snapshot),
+        copy.deepcopy(snapshot),
+        pickle.loads(pickle.dumps(snapshot)),
+    ):
+        assert (copied.parameters, copied.buffers, copied.module_fqns) == (
+            snapshot.parameters,
+            snapshot.buffers,
+            snapshot.module_fqns,
+        )
+        assert copied.forwards == snapshot.forwards

@@ -13,7 +13,7 @@ import functools
 import inspect
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Concatenate, Generic, Self, TypeVar, overload
+from typing import Any, Concatenate, Generic, Protocol, Self, TypeVar, overload
 
 import attrs
 from torch import nn
@@ -141,7 +141,7 @@ class Contract(Generic[_P, _R_co, _S]):
         # Records are checked on every update: whether every field holds an atom is
         # one test built once, and only a record failing it is explained or walked.
         holds_atoms_only = atoms_only_test(fields)
-        self._check_record = _record_checker(self.name, state_cls, fields, holds_atoms_only)
+        check = _record_checker(self.name, state_cls, fields, holds_atoms_only)
         self._table = store._table
         # id(module) -> Cell of this API, kept by the store: state() is one dict lookup.
         self._cells = store._table.column(self)
@@ -151,7 +151,7 @@ class Contract(Generic[_P, _R_co, _S]):
         # cost). It holds the cells and the name, not the contract: no cycle.
         self.__dict__["state"] = _state_reader(self._cells, self.name)
         self.__dict__["update"] = _updater(
-            self._cells, self.name, state_cls, holds_atoms_only, self._check_record
+            self._cells, self.name, state_cls, holds_atoms_only, check
         )
         self._signature: inspect.Signature | None = None
 
@@ -322,8 +322,8 @@ class Contract(Generic[_P, _R_co, _S]):
 
     def set_state(self, module: nn.Module, record: _S) -> None:
         """Replace ``module``'s record with ``record``, an instance of the state class."""
-        self._check_record(record, "set_state", module)
-        self.update(module, lambda _: record)
+        updater: _Updater = self.__dict__["update"]
+        updater(module, lambda _: record, "set_state")  # checked once, under the lock
 
     def update(self, module: nn.Module, transition: Callable[[_S], _S]) -> _S:
         """Atomically replace ``module``'s record with ``transition(record)``; return the new one.
@@ -334,8 +334,9 @@ class Contract(Generic[_P, _R_co, _S]):
         class, the record is unchanged. Like ``state``, each instance answers through a
         closure (``_updater``) in its ``__dict__``; this method only defers to it.
         """
-        updater: Callable[[nn.Module, Callable[[_S], _S]], _S] = self.__dict__["update"]
-        return updater(module, transition)
+        updater: _Updater = self.__dict__["update"]
+        record: _S = updater(module, transition)
+        return record
 
     def _cell(self, module: nn.Module) -> Cell[Any]:
         cell = self._cells.get(id(module))
@@ -390,13 +391,21 @@ def _state_reader(cells: Mapping[int, Cell[Any]], name: str) -> Callable[[nn.Mod
 _RecordCheck = Callable[[object, str, nn.Module], None]
 
 
+class _Updater(Protocol):
+    """``update(module, transition, method="update")``, as ``_updater`` builds it per contract."""
+
+    def __call__(
+        self, module: nn.Module, transition: Callable[[Any], Any], method: str = ..., /
+    ) -> Any: ...
+
+
 def _updater(
     cells: Mapping[int, Cell[Any]],
     name: str,
     state_cls: type[Any],
     holds_atoms_only: Callable[[object], bool],
     check: _RecordCheck,
-) -> Callable[[nn.Module, Callable[[Any], Any]], Any]:
+) -> _Updater:
     """``Contract.update`` of the API called ``name``, as a closure over its cells.
 
     Hooks may update a record on every step, so the critical section is kept lean:
@@ -408,8 +417,11 @@ def _updater(
     release = WRITE_LOCK.release
     key, current_journal = id, open_journal  # closure variables: no global lookups
 
-    def update(module: nn.Module, transition: Callable[[Any], Any]) -> Any:
-        """Atomically replace ``module``'s record with ``transition(record)``; return it."""
+    def update(module: nn.Module, transition: Callable[[Any], Any], method: str = "update") -> Any:
+        """Atomically replace ``module``'s record with ``transition(record)``; return it.
+
+        ``method`` names the public method in errors (``set_state`` goes through here).
+        """
         acquire()
         try:
             cell = cells.get(key(module))
@@ -418,7 +430,7 @@ def _updater(
             old = cell.record
             record = transition(old)
             if type(record) is not state_cls or not holds_atoms_only(record):
-                check(record, "update", module)  # the fast test failed: explain, or pass
+                check(record, method, module)  # the fast test failed: explain, or pass
             cell.record = record
             journal = current_journal()
             if journal is not None:  # outside an apply there is nothing to undo

@@ -28,7 +28,6 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import chain, compress, repeat
 from operator import is_, ne
-from types import MappingProxyType
 from typing import Final
 
 from torch import nn
@@ -170,6 +169,11 @@ class FQNSnapshot:
         )
 
 
+_new: Final = object.__new__
+#: The (depths, names) of every leaf: shared, never written.
+_LEAF_TREE: Final = ([0], [""])
+
+
 def _snapshot(
     modules: tuple[nn.Module, ...],
     classes: tuple[type[nn.Module], ...],
@@ -189,12 +193,6 @@ def _snapshot(
     snapshot._buffs = buffers
     snapshot._names = None
     return snapshot
-
-
-_new: Final = object.__new__
-#: The tree and forwards of a leaf without an instance ``forward``: shared, never written.
-_LEAF_TREE: Final = ([0], [""])
-_NO_FORWARDS: Final[Mapping[int, object]] = MappingProxyType({})
 
 
 def take_snapshot(
@@ -231,7 +229,7 @@ def _walk(root: nn.Module) -> FQNSnapshot:
             (root,),
             (type(root),),
             _LEAF_TREE,
-            forwards=_NO_FORWARDS if forward is _NO_FORWARD else {0: forward},
+            forwards={} if forward is _NO_FORWARD else {0: forward},
             params=([len(params)], list(params), list(map(id, params.values()))),
             buffers=([len(buffers)], list(buffers), list(map(id, buffers.values()))),
         )

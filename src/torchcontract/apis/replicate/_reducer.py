@@ -241,7 +241,7 @@ class Reducer:
         pieces = torch.split(flat, [*sizes, len(bucket)])
         views = [
             piece.view(parameter.shape)
-            for piece, parameter in zip(pieces, parameters, strict=False)
+            for piece, parameter in zip(pieces[:-1], parameters, strict=True)
         ]
         views.append(pieces[-1])  # the used-flags
         self._views[position] = views
