@@ -370,7 +370,7 @@ def test_replicate_without_a_process_group_fails_and_installs_nothing() -> None:
 
 
 def test_nonpositive_bucket_cap_is_rejected() -> None:
-    with pytest.raises(ValueError, match="bucket_cap_mb must be positive, got 0"):
+    with pytest.raises(ValueError, match="bucket_cap_mb must be positive and finite, got 0"):
         replicate(_net(), bucket_cap_mb=0)
 
 
