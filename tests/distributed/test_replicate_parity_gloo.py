@@ -6,9 +6,10 @@ already present, backwards that never went through the model's forward, a second
 backward through a retained graph, a backward on one rank alone, evaluation
 forwards (on every rank, or on rank 0 alone through the replicated module, as
 DDP's wrapper allows), BatchNorm buffers. Both models run the same plan on the
-same data, one after the other; after every micro-step the gradients, and after every optimizer step the
-parameters and buffers, must equal DDP's, and the ranks must agree. One job per
-world size runs every scenario (starting ranks is the slow part).
+same data, one after the other; after every micro-step the gradients, and after
+every optimizer step the parameters and buffers, must equal DDP's, and the ranks
+must agree. One job per world size runs every scenario (starting ranks is the
+slow part).
 """
 
 from __future__ import annotations

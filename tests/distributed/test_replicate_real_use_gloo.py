@@ -332,6 +332,105 @@ def _one_rank_alone(rank: int, with_backward: bool) -> tuple[float, float, float
     return grads, _state_gap(mine, raw), generated, inside, replicate.state(mine).rank_local
 
 
+# ----------------------------------------------------------------- Hugging Face models
+
+
+def _tiny_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=16,
+        n_head=2,
+        vocab_size=50,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=True,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def _tiny_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=50,
+        max_position_embeddings=32,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _padded_batch(rank: int, step: int) -> dict[str, Tensor]:
+    """Token ids with right padding on some rows: an attention mask, labels -100 on the pads."""
+    generator = torch.Generator().manual_seed(10 * rank + step)
+    input_ids = torch.randint(3, 50, (3, 8), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 5:] = 0
+    attention_mask[2, 3 + rank :] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def _greedy(model: nn.Module, prompt: Tensor) -> Tensor:
+    """``model.generate()``: three new tokens, greedily (a forward per token, without grad)."""
+    generate = cast(Callable[..., Tensor], model.generate)
+    return generate(prompt, max_new_tokens=3, do_sample=False)
+
+
+def _hugging_face_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    loss: Tensor = model(**batch).loss  # a ModelOutput holds it
+    return loss
+
+
+def _hugging_face(
+    rank: int, make: Callable[[], nn.Module], alone: bool
+) -> tuple[float, float, int]:
+    """AdamW steps on a tiny Hugging Face model, replicate against DDP; with ``alone``, rank 0
+    generates between the steps (``rank_local``, or ``ddp.module``) while rank 1 waits.
+
+    The largest gradient gap, the parameter and buffer gap, and the steps counted.
+    """
+    mine, raw = make(), make()
+    replicate(mine)
+    ddp = DistributedDataParallel(raw, find_unused_parameters=True)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (mine, raw)]
+    grads = 0.0
+    for step in range(3):
+        if alone and step == 1 and rank == 0:
+            prompt = torch.tensor([[1, 7, 9]])
+            with rank_local(mine):
+                mine.eval()
+                ours = _greedy(mine, prompt)
+                mine.train()
+            raw.eval()
+            theirs = _greedy(raw, prompt)
+            raw.train()
+            assert torch.equal(ours, theirs)
+        if alone:
+            dist.barrier()
+        batch = _padded_batch(rank, step)
+        torch.manual_seed(1000 * rank + step)  # the same dropout masks in both
+        torch.autograd.backward(_hugging_face_loss(mine, batch))
+        torch.manual_seed(1000 * rank + step)
+        torch.autograd.backward(_hugging_face_loss(ddp, batch))
+        grads = max(grads, _gap(_grads(mine), _grads(raw)))
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    return grads, _state_gap(mine, raw), replicate.state(mine).step
+
+
 # ----------------------------------------------------------------- torch's APIs inside ours
 
 
@@ -477,6 +576,8 @@ def _without_buffer_broadcast(rank: int) -> tuple[float, float, float]:
 def _job(rank: int, world_size: int) -> Results:
     results: Results = {f"output_{pack}": _output_parity(rank, pack) for pack in PACKERS}
     results["no_tensor"] = _no_tensor_to_synchronize(rank)
+    results["gpt2"] = _hugging_face(rank, _tiny_gpt2, alone=False)
+    results["llama_generate"] = _hugging_face(rank, _tiny_llama, alone=True)
     results["mismatch"] = _mismatches(rank)
     results["alone"] = _one_rank_alone(rank, with_backward=False)
     results["alone_backward"] = _one_rank_alone(rank, with_backward=True)
@@ -504,6 +605,15 @@ def test_loss_inside_an_output_container_synchronizes_as_ddp(
         assert state <= TOLERANCE, f"parameters or buffers differ from DDP's by {state}"
         assert spread == 0.0
         assert steps == STEPS
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama_generate"])
+def test_hugging_face_model_trains_as_under_ddp(ranks: list[Results], name: str) -> None:
+    for rank in ranks:
+        grads, state, steps = rank[name]
+        assert grads <= TOLERANCE, f"gradients differ from DDP's by {grads}"
+        assert state <= TOLERANCE, f"parameters or buffers differ from DDP's by {state}"
+        assert steps == 3
 
 
 def test_output_without_a_tensor_requiring_grad_is_handled_as_ddp(ranks: list[Results]) -> None:

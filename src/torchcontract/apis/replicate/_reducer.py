@@ -135,11 +135,13 @@ class Reducer:
     def before_forward(self, module: nn.Module) -> None:
         """Forward pre-hook body: broadcast rank 0's buffers when DDP would."""
         record = self._application.record(module)
-        if record is None or record.rank_local:
+        if record is None:
             return
         if not self._checked_torch_apis:
             _check_no_torch_api(module)
             self._checked_torch_apis = True
+        if record.rank_local:
+            return
         if (
             not self._has_buffers
             or not self.sync_buffers_next_forward
