@@ -4,8 +4,9 @@ Semantics are those of ``DistributedDataParallel(find_unused_parameters=True)``:
 
 * Whether a backward synchronizes is decided by the forward that built its
   graph: a forward of the replicated module with grad enabled and
-  ``sync_gradients`` on arms its outputs, and the first backward that reaches
-  one of them synchronizes, once. Any other backward (inside ``no_sync``, a
+  ``sync_gradients`` on (outside ``rank_local``) arms the tensors of its output
+  that require grad, wherever DDP would find them, and the first backward that
+  reaches one of them synchronizes, once. Any other backward (inside ``no_sync``, a
   second one through a retained graph, one that never went through the module's
   forward) only accumulates locally and issues no collective, so it cannot hang.
 * A parameter counts as used if its gradient was accumulated in any backward
