@@ -1,7 +1,8 @@
 """The check, at apply, that every rank holds the same model, as DDP makes at construction.
 
-DDP's ``_verify_param_shape_across_processes`` compares the parameters' shapes
-over the group and raises on every rank when they differ; without it the first
+DDP's ``_verify_param_shape_across_processes`` compares the parameters over the
+group (where only their shapes differ, on 2 gloo ranks it raised on one rank and
+left the other waiting in its first broadcast); without a check, the first
 broadcast or all-reduce of differently sized tensors aborts the process or hangs.
 Here each rank sums up what apply will broadcast and reduce (every parameter's
 and buffer's name, shape and dtype, and whether it requires grad, in order) as a
@@ -38,7 +39,7 @@ class ModelMismatchError(ContractError):
     """``replicate``: the ranks of the group hold different models (raised on every rank)."""
 
 
-def summarize(module: nn.Module) -> list[_Entry]:
+def _summarize(module: nn.Module) -> list[_Entry]:
     """What apply broadcasts and reduces, in order: parameters, then buffers."""
     entries: list[_Entry] = [
         ("parameter", name, tuple(p.shape), str(p.dtype), p.requires_grad)
@@ -56,14 +57,14 @@ def check_same_model(module: nn.Module, group: dist.ProcessGroup) -> None:
     One all-gather of 32 bytes per rank when the models agree; a second, of the
     summaries, when they do not. A collective: every rank of ``group`` must call it.
     """
-    entries = summarize(module)
+    entries = _summarize(module)
     digest = hashlib.sha256(repr(entries).encode()).digest()
     mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
     every = torch.empty(_DIGEST_BYTES * group.size(), dtype=torch.uint8)
     _torch.all_gather_into(every, mine, group)
     if bool(torch.all(every.view(group.size(), _DIGEST_BYTES) == mine)):
         return
-    # Each rank sent the list summarize() made.
+    # Each rank sent the list _summarize() made.
     summaries = [
         cast("list[_Entry]", summary) for summary in _torch.all_gather_objects_over(entries, group)
     ]
@@ -102,8 +103,7 @@ def _describe_difference(
         )
     return (
         f"replicate on {module_label(module)}: the ranks hold different models: {counts}"
-        f"{difference}; build the same model on every rank before replicate "
-        "(DistributedDataParallel refuses such models too)"
+        f"{difference}; build the same model on every rank before replicate"
     )
 
 
