@@ -297,6 +297,28 @@ def test_list_of_modules_is_rejected_with_advice() -> None:
     assert not checkpoint.is_applied(model[0])
 
 
+@pytest.mark.parametrize(
+    ("keyword", "value", "shown"),
+    [
+        ("use_reentrant", "False", "str 'False'"),
+        ("use_reentrant", None, "NoneType None"),
+        ("preserve_rng_state", 1, "int 1"),
+    ],
+)
+def test_option_that_is_not_a_bool_is_a_type_error_naming_it(
+    keyword: str, value: object, shown: str
+) -> None:
+    # As torch's composable checkpoint, which refuses anything but a real choice: the
+    # string "False" is truthy and would have meant reentrant.
+    model = nn.Linear(2, 2)
+    options: dict[str, Any] = {keyword: value}
+    with pytest.raises(TypeError) as raised:
+        checkpoint(model, **options)
+    assert str(raised.value) == f"checkpoint on Linear: {keyword} takes True or False, got {shown}"
+    assert not checkpoint.is_applied(model)
+    assert not model._forward_hooks
+
+
 @REENTRANT
 def test_model_is_freed_by_reference_counting_after_training(use_reentrant: bool) -> None:
     model = deep_mlp(depth=2)

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from torchcontract import ContractError, IncompatibleAPIError, NotAppliedError, contract
-from torchcontract.apis import checkpoint, no_sync, replicate
+from torchcontract.apis import checkpoint, no_sync, rank_local, replicate
 from torchcontract.testing import ModelCase, check_api_invariants, run_distributed
 
 WORLD_SIZE = 2
@@ -370,7 +370,7 @@ def test_replicate_without_a_process_group_fails_and_installs_nothing() -> None:
 
 
 def test_nonpositive_bucket_cap_is_rejected() -> None:
-    with pytest.raises(ValueError, match="bucket_cap_mb must be positive, got 0"):
+    with pytest.raises(ValueError, match="bucket_cap_mb must be positive and finite, got 0"):
         replicate(_net(), bucket_cap_mb=0)
 
 
@@ -379,4 +379,47 @@ def test_no_sync_without_replicate_raises_not_applied() -> None:
     with pytest.raises(
         NotAppliedError, match=r"no_sync: neither replicate nor fully_shard is applied to Net"
     ):
+        context.__enter__()
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"), [("25", "str '25'"), (True, "bool True"), ([25], "list [25]")]
+)
+def test_bucket_cap_of_another_type_is_a_type_error_naming_it(value: object, shown: str) -> None:
+    model = _net()
+    with pytest.raises(TypeError) as raised:
+        replicate(model, bucket_cap_mb=value)  # type: ignore[arg-type]
+    assert str(raised.value) == (
+        f"replicate on Net: bucket_cap_mb takes a number of megabytes (int or float), got {shown}"
+    )
+    assert not replicate.is_applied(model)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), -1])
+def test_infinite_nan_or_negative_bucket_cap_is_a_value_error(value: float) -> None:
+    with pytest.raises(ValueError, match=r"bucket_cap_mb must be positive and finite, got"):
+        replicate(_net(), bucket_cap_mb=value)
+
+
+def test_process_group_of_another_type_is_a_type_error_naming_it() -> None:
+    model = _net()
+    with pytest.raises(TypeError) as raised:
+        replicate(model, process_group="gloo")  # type: ignore[arg-type]
+    assert str(raised.value) == (
+        "replicate on Net: process_group takes a torch.distributed.ProcessGroup or None "
+        "(the default group), got str 'gloo'; pass e.g. torch.distributed.new_group(ranks)"
+    )
+    assert not replicate.is_applied(model)
+
+
+def test_broadcast_buffers_of_another_type_is_a_type_error_naming_it() -> None:
+    with pytest.raises(
+        TypeError, match=r"^replicate on Net: broadcast_buffers takes True or False, got str 'no'$"
+    ):
+        replicate(_net(), broadcast_buffers="no")  # type: ignore[arg-type]
+
+
+def test_rank_local_without_replicate_raises_not_applied() -> None:
+    context = rank_local(_net())
+    with pytest.raises(NotAppliedError, match=r"replicate"):
         context.__enter__()

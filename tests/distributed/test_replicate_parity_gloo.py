@@ -4,17 +4,19 @@ Each scenario is a plan of micro-steps per optimizer step: forwards and backward
 inside and outside ``no_sync``, parameters used on some ranks only, gradients
 already present, backwards that never went through the model's forward, a second
 backward through a retained graph, a backward on one rank alone, evaluation
-forwards, BatchNorm buffers. Both models run the same plan on the same data;
-after every micro-step the gradients, and after every optimizer step the
-parameters and buffers, must equal DDP's, and the ranks must agree. One job per
-world size runs every scenario (starting ranks is the slow part).
+forwards (on every rank, or on rank 0 alone through the replicated module, as
+DDP's wrapper allows), BatchNorm buffers. Both models run the same plan on the
+same data, one after the other; after every micro-step the gradients, and after
+every optimizer step the parameters and buffers, must equal DDP's, and the ranks
+must agree. One job per world size runs every scenario (starting ranks is the
+slow part).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Final
 
 import attrs
@@ -53,7 +55,8 @@ class TwoPaths(nn.Module):
 #: ``backward_local`` (forward outside, backward inside), ``retained`` (forward
 #: outside, then two backwards through the same graph), ``direct`` (a backward
 #: from a parameter, never through the forward), ``direct_rank0`` (the same, on
-#: rank 0 alone), ``eval`` (a forward in eval mode without grad).
+#: rank 0 alone), ``eval`` (a forward in eval mode without grad), ``eval_rank0``
+#: (the same, on rank 0 alone, through the replicated module: DDP's wrapper serves it too).
 KINDS: Final = (
     "sync",
     "local",
@@ -63,6 +66,7 @@ KINDS: Final = (
     "direct",
     "direct_rank0",
     "eval",
+    "eval_rank0",
 )
 
 
@@ -97,6 +101,8 @@ SCENARIOS: Final = (
     Scenario("retained", (Micro("retained"), Micro("sync", lambda rank: "b"))),
     # After an evaluation forward DDP skips the next broadcast of buffers; so does replicate.
     Scenario("eval", (Micro("eval"), Micro("sync"))),
+    # Rank 0's forward broadcasts buffers, met by the other ranks' next forward, in both.
+    Scenario("eval_rank0", (Micro("eval_rank0"), Micro("sync"))),
     Scenario("deep_copy", (Micro("local", lambda rank: "b"), Micro("sync")), True),
 )
 
@@ -147,7 +153,7 @@ def _micro_step(
         torch.autograd.backward(value)
     elif kind == "direct" or (kind == "direct_rank0" and rank == 0):
         torch.autograd.backward(raw.a.weight.sum() * (rank + 1) / 100)
-    elif kind == "eval":
+    elif kind == "eval" or (kind == "eval_rank0" and rank == 0):
         raw.eval()
         with torch.no_grad():
             model(x, use)
@@ -186,45 +192,81 @@ class Gaps:
     steps: int
 
 
+def _snapshot(tensors: Iterable[Tensor | None]) -> list[Tensor | None]:
+    return [None if tensor is None else tensor.detach().clone() for tensor in tensors]
+
+
+@attrs.frozen
+class Trace:
+    """What one model went through: gradients after every micro-step, parameters and
+    buffers after every optimizer step, then an evaluation forward's output."""
+
+    grads: list[list[Tensor | None]]
+    params: list[list[Tensor | None]]
+    buffers: list[list[Tensor | None]]
+    eval_output: Tensor
+    ranks_params: float
+    ranks_buffers: float
+
+
+def _train(
+    model: nn.Module,
+    sync_off: Callable[[], contextlib.AbstractContextManager[None]],
+    raw: TwoPaths,
+    scenario: Scenario,
+    rank: int,
+) -> Trace:
+    """Run the scenario's plan on ``model`` (replicated, or DDP around ``raw``)."""
+    optimizer = torch.optim.SGD(raw.parameters(), lr=0.1, momentum=0.9)
+    grads: list[list[Tensor | None]] = []
+    params: list[list[Tensor | None]] = []
+    buffers: list[list[Tensor | None]] = []
+    ranks_params = 0.0
+    for step in range(STEPS):
+        for index, micro in enumerate(scenario.plan):
+            _micro_step(model, sync_off, raw, micro, x=_inputs(rank, step, index), rank=rank)
+            grads.append(_snapshot(p.grad for p in raw.parameters()))
+        optimizer.step()
+        optimizer.zero_grad()
+        params.append(_snapshot(raw.parameters()))
+        buffers.append(_snapshot(raw.buffers()))
+        ranks_params = max(ranks_params, _rank_spread(list(raw.parameters())))
+    raw.eval()
+    with torch.no_grad():
+        eval_output: Tensor = model(_inputs(rank, STEPS, 0))
+    buffers.append(_snapshot(raw.buffers()))
+    return Trace(
+        grads, params, buffers, eval_output, ranks_params, _rank_spread(list(raw.buffers()))
+    )
+
+
+def _largest_gap(mine: list[list[Tensor | None]], theirs: list[list[Tensor | None]]) -> float:
+    return max(_gap(a, b) for a, b in zip(mine, theirs, strict=True))
+
+
 def _run(scenario: Scenario, rank: int) -> Gaps:
+    """The scenario on replicate, then on DDP; the largest differences between the two.
+
+    One model after the other, not micro-step by micro-step: where ranks run different
+    forwards (eval_rank0) the two models' collectives would otherwise meet in different
+    orders on different ranks.
+    """
     mine, raw = _model(), _model()
     if scenario.from_replicated_copy:
         replicate(mine)
         mine = copy.deepcopy(mine)
         assert len(mine._forward_hooks) == 1  # the prototype's, inherited
     replicate(mine)
+    ours = _train(mine, lambda: no_sync(mine), mine, scenario, rank)
     ddp = DistributedDataParallel(raw, find_unused_parameters=True)
-    optimizers = [
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) for model in (mine, raw)
-    ]
-    grads = params = buffers = ranks_params = 0.0
-    for step in range(STEPS):
-        for index, micro in enumerate(scenario.plan):
-            x = _inputs(rank, step, index)
-            _micro_step(mine, lambda: no_sync(mine), mine, micro, x=x, rank=rank)
-            _micro_step(ddp, ddp.no_sync, raw, micro, x=x, rank=rank)
-            grads = max(
-                grads, _gap([p.grad for p in mine.parameters()], [p.grad for p in raw.parameters()])
-            )
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-        params = max(params, _gap(list(mine.parameters()), list(raw.parameters())))
-        buffers = max(buffers, _gap(list(mine.buffers()), list(raw.buffers())))
-        ranks_params = max(ranks_params, _rank_spread(list(mine.parameters())))
-    mine.eval()
-    raw.eval()
-    x = _inputs(rank, STEPS, 0)
-    with torch.no_grad():
-        eval_output = float((mine(x) - ddp(x)).abs().max())
-    buffers = max(buffers, _gap(list(mine.buffers()), list(raw.buffers())))
+    theirs = _train(ddp, ddp.no_sync, raw, scenario, rank)
     return Gaps(
-        grads,
-        params,
-        buffers,
-        ranks_params,
-        _rank_spread(list(mine.buffers())),
-        eval_output,
+        _largest_gap(ours.grads, theirs.grads),
+        _largest_gap(ours.params, theirs.params),
+        _largest_gap(ours.buffers, theirs.buffers),
+        ours.ranks_params,
+        ours.ranks_buffers,
+        float((ours.eval_output - theirs.eval_output).abs().max()),
         replicate.state(mine).step,
     )
 
@@ -273,6 +315,7 @@ def test_step_counts_only_synchronizing_backwards(results: list[dict[str, Gaps]]
         "direct_rank0": 1,
         "retained": 2,
         "eval": 1,
+        "eval_rank0": 1,
         "deep_copy": 1,
     }
     for name, count in per_step.items():

@@ -14,7 +14,15 @@ import torch.distributed as dist
 from torch import nn
 
 from torchcontract import Application
-from torchcontract.apis import CheckpointState, ReplicateState, checkpoint, no_sync, replicate
+from torchcontract.apis import (
+    CheckpointState,
+    ModelMismatchError,
+    ReplicateState,
+    checkpoint,
+    no_sync,
+    rank_local,
+    replicate,
+)
 
 model = nn.Linear(2, 2)
 
@@ -28,8 +36,14 @@ assert_type(checkpoint.state(model), CheckpointState)
 
 with no_sync(model):
     pass
+with rank_local(model):
+    pass
+assert_type(replicate.state(model).rank_local, bool)
+assert issubclass(ModelMismatchError, RuntimeError)
 
 replicate(model, broadcast_buffer=False)  # type: ignore[call-arg]
 replicate(model, bucket_cap_mb="25")  # type: ignore[arg-type]
 replicate(model, dist.group.WORLD)  # type: ignore[call-arg]
 checkpoint(model, reentrant=True)  # type: ignore[call-arg]
+checkpoint(model, use_reentrant="False")  # type: ignore[arg-type]
+rank_local([model])  # type: ignore[arg-type]

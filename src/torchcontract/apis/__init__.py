@@ -5,15 +5,17 @@ from __future__ import annotations
 from ._no_sync import no_sync
 from .checkpoint import CheckpointState, checkpoint
 from .fully_shard import FullyShardState, fully_shard, reshard, unshard
-from .replicate import ReplicateState, replicate
+from .replicate import ModelMismatchError, ReplicateState, rank_local, replicate
 
 __all__ = [
     "CheckpointState",
     "FullyShardState",
+    "ModelMismatchError",
     "ReplicateState",
     "checkpoint",
     "fully_shard",
     "no_sync",
+    "rank_local",
     "replicate",
     "reshard",
     "unshard",

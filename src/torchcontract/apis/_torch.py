@@ -22,6 +22,7 @@ from torchcontract import _compat
 __all__ = [
     "all_gather_into",
     "all_gather_objects",
+    "all_gather_objects_over",
     "all_reduce",
     "all_reduce_blocking",
     "barrier",
@@ -222,3 +223,13 @@ def register_load_state_dict_post_hook(
     """Call ``hook(module, incompatible_keys)`` after ``load_state_dict`` wrote ``module``."""
     register = cast(_RegisterHook, module.register_load_state_dict_post_hook)
     return register(hook)
+
+
+_all_gather_object_over: Final = cast(Callable[..., None], dist.all_gather_object)
+
+
+def all_gather_objects_over(value: object, group: dist.ProcessGroup) -> list[object]:
+    """Every rank's ``value`` (picklable), by rank of ``group``; a collective over ``group``."""
+    gathered: list[object] = [None] * group.size()
+    _all_gather_object_over(gathered, value, group=group)
+    return gathered

@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 from torch.utils import checkpoint as torch_checkpoint
 
 from torchcontract import Application, InvalidTargetError, contract
+from torchcontract._describe import module_label
 
 from . import _torch
 
@@ -366,6 +367,22 @@ def require_one_module(api_name: str, target: object) -> None:
         )
 
 
+def require_bool(api_name: str, module: nn.Module, name: str, value: object) -> None:
+    """Raise ``TypeError`` naming the argument unless ``value`` is True or False."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{api_name} on {module_label(module)}: {name} takes True or False, "
+            f"got {describe_value(value)}"
+        )
+
+
+def describe_value(value: object) -> str:
+    """A short account of a wrong argument: its type, and its value when that is short."""
+    text = repr(value)
+    shown = f" {text}" if len(text) <= 40 and not isinstance(value, (nn.Module, Tensor)) else ""
+    return f"{type(value).__qualname__}{shown}"
+
+
 def _any_requires_grad(tree: object) -> bool:
     leaves, _ = pytree.tree_flatten(tree)
     return any(isinstance(leaf, Tensor) and leaf.requires_grad for leaf in leaves)
@@ -385,9 +402,12 @@ def checkpoint(
     combined with ``replicate`` (its rule says so) and needs an input that
     requires grad: a forward without one is run unchecked, with a warning, so
     its parameters still get gradients. Raises ``InvalidTargetError`` for a list
-    of modules: apply it to each.
+    of modules (apply it to each), ``TypeError`` unless both options are True or
+    False.
     """
     require_one_module("checkpoint", module)
+    require_bool("checkpoint", module, "use_reentrant", use_reentrant)
+    require_bool("checkpoint", module, "preserve_rng_state", preserve_rng_state)
     checkpoint.update(
         module,
         lambda record: attrs.evolve(

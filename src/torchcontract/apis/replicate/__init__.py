@@ -4,13 +4,16 @@ What ``torch.nn.parallel.DistributedDataParallel`` computes, through hooks
 instead of a wrapper module. The frozen record (``ReplicateState``, in
 ``_state``) holds what is fixed or counted; the runtime bookkeeping lives in a
 ``Reducer`` (``_reducer``) that only the hooks hold; ``_buckets`` decides which
-parameters are reduced together; ``_api`` holds the API and its gradient-sync
-switch, which ``torchcontract.apis.no_sync`` calls.
+parameters are reduced together; ``_outputs`` finds the tensors in a forward's
+output; ``_same_model`` checks at apply that every rank holds the same model;
+``_api`` holds the API, its gradient-sync switch, which
+``torchcontract.apis.no_sync`` calls, and ``rank_local``.
 """
 
 from __future__ import annotations
 
-from ._api import replicate
+from ._api import rank_local, replicate
+from ._same_model import ModelMismatchError
 from ._state import ReplicateState
 
-__all__ = ["ReplicateState", "replicate"]
+__all__ = ["ModelMismatchError", "ReplicateState", "rank_local", "replicate"]

@@ -1,8 +1,10 @@
-"""replicate() and no_sync(): the contract-decorated API and its gradient-sync switch."""
+"""replicate(), its gradient-sync switch (for ``no_sync``) and ``rank_local``."""
 
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 from collections.abc import Generator
 from typing import Any
 
@@ -10,22 +12,25 @@ import attrs
 import torch.distributed as dist
 from torch import nn
 
-from torchcontract import ContractError, Incompatible, RegistryEntry, contract
+from torchcontract import ContractError, Incompatible, InvalidTargetError, RegistryEntry, contract
+from torchcontract._describe import module_label
 
 from .. import _torch
 from .._export import exported_from
-from ..checkpoint import checkpoint, require_one_module
+from ..checkpoint import checkpoint, describe_value, require_bool, require_one_module
 from ._buckets import broadcast_from_first_rank
 from ._reducer import ParameterHook, Reducer
+from ._same_model import check_same_model
 from ._state import ReplicateState
 
-__all__ = ["replicate", "replicate_no_sync"]
+__all__ = ["rank_local", "replicate", "replicate_no_sync"]
 
 _MEGABYTE = 1024 * 1024
 
 
 def _is_reentrant(entry: RegistryEntry) -> bool:
-    return bool(entry.arguments["use_reentrant"])
+    # ``is True``: checkpoint refuses any other value itself, with a TypeError naming it.
+    return entry.arguments["use_reentrant"] is True
 
 
 class _ForwardHooks:
@@ -62,16 +67,55 @@ def _count_synchronization(module: nn.Module, buckets: tuple[tuple[str, ...], ..
     )
 
 
-def _default_group(module: nn.Module) -> dist.ProcessGroup:
-    if not dist.is_initialized():
-        raise ContractError(
-            f"replicate on {type(module).__qualname__}: no default process group; call "
-            "torch.distributed.init_process_group() first, or pass process_group="
+def _group(module: nn.Module, process_group: object) -> dist.ProcessGroup:
+    """The group to average over: ``process_group``, checked, or the default group."""
+    if process_group is None:
+        if not dist.is_initialized():
+            raise ContractError(
+                f"replicate on {module_label(module)}: no default process group; call "
+                "torch.distributed.init_process_group() first, or pass process_group="
+            )
+        group = dist.group.WORLD
+        if group is None:
+            raise ContractError("replicate: torch.distributed has no world group")
+        return group
+    if process_group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"replicate on {module_label(module)}: process_group is a group this rank is not "
+            "in (new_group() returns this placeholder on the ranks it leaves out); call "
+            "replicate only on the group's ranks"
         )
-    group = dist.group.WORLD
-    if group is None:
-        raise ContractError("replicate: torch.distributed has no world group")
-    return group
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"replicate on {module_label(module)}: process_group takes a "
+            f"torch.distributed.ProcessGroup or None (the default group), got "
+            f"{describe_value(process_group)}; pass e.g. torch.distributed.new_group(ranks)"
+        )
+    return process_group
+
+
+def _bucket_cap_bytes(module: nn.Module, bucket_cap_mb: object) -> int:
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, numbers.Real):
+        raise TypeError(
+            f"replicate on {module_label(module)}: bucket_cap_mb takes a number of megabytes "
+            f"(int or float), got {describe_value(bucket_cap_mb)}"
+        )
+    megabytes = float(bucket_cap_mb)
+    if not (megabytes > 0 and math.isfinite(megabytes)):
+        raise ValueError(
+            f"replicate on {module_label(module)}: bucket_cap_mb must be positive and finite, "
+            f"got {bucket_cap_mb}; DistributedDataParallel's default is 25"
+        )
+    return max(1, int(megabytes * _MEGABYTE))
+
+
+def _require_trainable(module: nn.Module, named: list[tuple[str, nn.Parameter]]) -> None:
+    if not named:
+        raise InvalidTargetError(
+            f"replicate on {module_label(module)}: no parameter requires a gradient, so there "
+            "is nothing to average (DistributedDataParallel refuses such a module too); "
+            "apply replicate to a module with trainable parameters"
+        )
 
 
 @contract(
@@ -106,14 +150,23 @@ def replicate(
     nested modules, nor with torch's own ``replicate`` or ``fully_shard`` on the
     module or inside it (gradients would be averaged twice). Raises
     ``ContractError`` if no process group is initialized, ``ValueError`` for a
-    non-positive ``bucket_cap_mb``.
+    non-positive or infinite ``bucket_cap_mb`` or a group this rank is not in,
+    ``TypeError`` for an argument of the wrong type.
+
+    As DDP at construction, every rank of the group first checks that all hold the
+    same model (the name, shape, dtype and ``requires_grad`` of every parameter and
+    buffer, in order): where they differ, every rank raises ``ModelMismatchError``
+    naming the first difference; none is left waiting. A module with no parameter
+    that requires a gradient raises ``InvalidTargetError``, as DDP refuses it.
     """
     require_one_module("replicate", module)
-    if not bucket_cap_mb > 0:
-        raise ValueError(f"replicate: bucket_cap_mb must be positive, got {bucket_cap_mb}")
-    group = _default_group(module) if process_group is None else process_group
-    cap_bytes = max(1, int(bucket_cap_mb * _MEGABYTE))
+    cap_bytes = _bucket_cap_bytes(module, bucket_cap_mb)
+    require_bool("replicate", module, "broadcast_buffers", broadcast_buffers)
+    group = _group(module, process_group)
+    if group.size() > 1:
+        check_same_model(module, group)
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    _require_trainable(module, named)
     if group.size() > 1:
         broadcast_from_first_rank([*module.parameters(), *module.buffers()], group, cap_bytes)
     reducer = Reducer(
@@ -155,3 +208,25 @@ def replicate_no_sync(module: nn.Module) -> Generator[None]:
         yield
     finally:
         replicate.update(module, lambda record: attrs.evolve(record, sync_gradients=previous))
+
+
+@contextlib.contextmanager
+def rank_local(module: nn.Module) -> Generator[None]:
+    """Forwards of ``module`` within the block run on this rank alone, without any collective.
+
+    What ``ddp.module`` is to a user of ``DistributedDataParallel``: a way to
+    evaluate or generate on one rank while the others do something else (such as
+    waiting at a barrier). The forwards inside the block broadcast no buffers and
+    arm nothing: a backward through their outputs only accumulates locally (the
+    next synchronizing backward averages what it accumulated, as after a forward
+    of ``ddp.module``), and the next forward outside the block broadcasts buffers
+    exactly when it would have without the block. Raises ``NotAppliedError`` if
+    ``replicate`` is not applied to ``module``. Restores the previous setting on
+    exit, so blocks nest.
+    """
+    previous = replicate.state(module).rank_local
+    replicate.update(module, lambda record: attrs.evolve(record, rank_local=True))
+    try:
+        yield
+    finally:
+        replicate.update(module, lambda record: attrs.evolve(record, rank_local=previous))

@@ -4,8 +4,9 @@ Semantics are those of ``DistributedDataParallel(find_unused_parameters=True)``:
 
 * Whether a backward synchronizes is decided by the forward that built its
   graph: a forward of the replicated module with grad enabled and
-  ``sync_gradients`` on arms its outputs, and the first backward that reaches
-  one of them synchronizes, once. Any other backward (inside ``no_sync``, a
+  ``sync_gradients`` on (outside ``rank_local``) arms the tensors of its output
+  that require grad, wherever DDP would find them, and the first backward that
+  reaches one of them synchronizes, once. Any other backward (inside ``no_sync``, a
   second one through a retained graph, one that never went through the module's
   forward) only accumulates locally and issues no collective, so it cannot hang.
 * A parameter counts as used if its gradient was accumulated in any backward
@@ -24,6 +25,7 @@ reducer, and dropping the model frees it.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Final
@@ -31,12 +33,13 @@ from typing import Final
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils import _pytree as pytree
 
-from torchcontract import Application, ContractError
+from torchcontract import Application, ContractError, IncompatibleAPIError, torch_registry
+from torchcontract._describe import _named_tree, module_label
 
 from .. import _torch
 from ._buckets import FIRST_BUCKET_BYTES, assign_buckets, broadcast_from_first_rank
+from ._outputs import find_tensors
 from ._state import ReplicateState
 
 __all__ = ["Reducer"]
@@ -88,6 +91,8 @@ class Reducer:
         # As DDP: a module without buffers at apply never broadcasts any, and skips the
         # walk over its tree that finds them on every forward.
         self._has_buffers = next(module.buffers(), None) is not None
+        self._checked_torch_apis = False
+        self._launched: list[tuple[int, dist.Work]] = []  # in order, not yet waited for
         self._set_buckets(
             assign_buckets(parameters, reversed(range(count)), self._first_cap, self._bucket_bytes)
         )
@@ -111,21 +116,37 @@ class Reducer:
         self._reset_backward()
 
     def _reset_backward(self) -> None:
+        """Forget the backward in progress, once the collectives it started have ended.
+
+        Collectives a failed backward launched are waited for first: every rank
+        launched them, so they end; dropped, they would write into the bucket
+        buffers while the next backward fills them.
+        """
+        for _, work in self._launched:
+            # The failure that left it was already raised; one of a collective is not news.
+            with contextlib.suppress(RuntimeError):
+                work.wait()
         self._task = -1
         self._waiting = [len(bucket) for bucket in self._buckets]
         self._next = 0  # the next bucket to launch: buckets launch strictly in order
-        self._launched: list[tuple[int, dist.Work]] = []
+        self._launched = []
 
     # ------------------------------------------------------------ forward
 
     def before_forward(self, module: nn.Module) -> None:
         """Forward pre-hook body: broadcast rank 0's buffers when DDP would."""
         record = self._application.record(module)
+        if record is None:
+            return
+        if not self._checked_torch_apis:
+            _check_no_torch_api(module)
+            self._checked_torch_apis = True
+        if record.rank_local:
+            return
         if (
             not self._has_buffers
             or not self.sync_buffers_next_forward
             or self._group.size() == 1
-            or record is None
             or not record.broadcast_buffers
         ):
             return
@@ -133,19 +154,20 @@ class Reducer:
         broadcast_from_first_rank(list(module.buffers()), self._group, self._cap_bytes)
 
     def after_forward(self, module: nn.Module, output: object) -> None:
-        """Forward hook body: arm the outputs of a synchronizing forward."""
+        """Forward hook body: arm the outputs of a synchronizing forward.
+
+        As DDP, a synchronizing forward whose output holds no tensor that requires
+        grad arms nothing (DDP finds no parameter to wait for), yet buffers are
+        broadcast before the next forward.
+        """
         record = self._application.record(module)
-        if record is None:
+        if record is None or record.rank_local:
             return
         synchronizing = torch.is_grad_enabled() and record.sync_gradients
         self.sync_buffers_next_forward = synchronizing
         if not synchronizing:
             return
-        tensors = [
-            leaf
-            for leaf in pytree.tree_leaves(output)
-            if isinstance(leaf, Tensor) and leaf.requires_grad
-        ]
+        tensors = [tensor for tensor in find_tensors(output) if tensor.requires_grad]
         if tensors:
             armed = _Armed(self)
             for tensor in tensors:
@@ -159,7 +181,8 @@ class Reducer:
         if self._task == task:
             return  # another armed output of the same backward
         if self._task != -1:
-            # A synchronizing backward failed before its end: start afresh.
+            # A synchronizing backward failed before its end: start afresh, once the
+            # collectives it launched have ended.
             self._reset_backward()
         self._task = task
         _torch.queue_callback(self._finish)
@@ -260,7 +283,8 @@ class Reducer:
             while self._next < len(self._buckets):
                 self._launch(self._next)
                 self._next += 1
-            for position, work in self._launched:
+            while self._launched:
+                position, work = self._launched.pop(0)
                 work.wait()
                 self._write_back(position)
             if self._arrival is not None:
@@ -305,6 +329,24 @@ class Reducer:
         self._set_buckets(
             assign_buckets(parameters, _torch.to_ints(shared), self._first_cap, self._bucket_bytes)
         )
+
+
+def _check_no_torch_api(root: nn.Module) -> None:
+    """Refuse torch's ``replicate``/``fully_shard`` applied on or inside ``root`` after ours.
+
+    Torch's contract cannot see our rules, so it allowed them; the first forward is
+    the first moment to say so (torch's ``fully_shard`` has replaced the parameters
+    by then, and torch's ``replicate`` would average the gradients a second time).
+    """
+    for fqn, module in _named_tree(root):
+        for name in ("fully_shard", "replicate"):
+            if name in torch_registry(module):
+                where = "on it" if not fqn else f"on {type(module).__qualname__} {fqn!r} inside it"
+                raise IncompatibleAPIError(
+                    f"torchcontract.apis.replicate.replicate on {module_label(root)} cannot be "
+                    f"combined with torch's {name}, applied after it {where} (found at the "
+                    "first forward); apply only one of them to this part of the model"
+                )
 
 
 class _Armed:

@@ -25,7 +25,8 @@ class ReplicateState:
     each forward that follows a synchronized one, as ``DistributedDataParallel``
     does. ``step``: the number of synchronized backward passes.
     ``sync_gradients``: False while forwards build graphs whose backward only
-    accumulates locally (see ``no_sync``).
+    accumulates locally (see ``no_sync``). ``rank_local``: True while forwards run
+    on this rank alone, with no collective (see ``rank_local``).
     """
 
     process_group: dist.ProcessGroup | None = attrs.field(default=None, repr=_group_repr)
@@ -33,3 +34,4 @@ class ReplicateState:
     broadcast_buffers: bool = True
     step: int = 0
     sync_gradients: bool = True
+    rank_local: bool = False
