@@ -21,7 +21,9 @@ from ._errors import (
     RulePredicateError,
     UnknownTorchAPIError,
 )
+from ._export import exported_from
 from ._fqn import FQNSnapshot, take_snapshot
+from ._labels import module_label
 from ._registry import (
     Incompatible,
     RegistryEntry,
@@ -31,6 +33,8 @@ from ._registry import (
     torch_registry,
 )
 from ._store import StateStore
+from ._transaction import on_rollback
+from ._tree import named_tree, root_modules
 
 __all__ = [
     "AlreadyAppliedError",
@@ -60,7 +64,12 @@ __all__ = [
     "UnknownTorchAPIError",
     "contract",
     "describe",
+    "exported_from",
+    "module_label",
+    "named_tree",
+    "on_rollback",
     "registry",
+    "root_modules",
     "take_snapshot",
     "torch_registry",
 ]

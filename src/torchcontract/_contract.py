@@ -20,7 +20,6 @@ from torch import nn
 from typing_extensions import ParamSpec, TypeIs
 
 from ._arguments import bind_arguments
-from ._describe import module_label
 from ._errors import (
     AlreadyAppliedError,
     InvalidRecordError,
@@ -29,7 +28,8 @@ from ._errors import (
     InvalidTargetError,
     NotAppliedError,
 )
-from ._fqn import FQNSnapshot, check_strict, check_unchanged, descendants, take_snapshot
+from ._fqn import FQNSnapshot, check_strict, check_unchanged, take_snapshot
+from ._labels import module_label
 from ._registry import REGISTRY, Incompatible, RegistryEntry, check_compatible
 from ._store import (
     DEFAULT_STORE,
@@ -39,6 +39,7 @@ from ._store import (
     check_holds_no_module,
 )
 from ._transaction import WRITE_LOCK, Transaction, open_journal
+from ._tree import root_modules
 
 __all__ = ["AnyContract", "Application", "Contract", "EmptyState", "contract"]
 
@@ -472,9 +473,13 @@ def _record_checker(
         if type(record) is not state_cls and attrs.has(subclass := type(record)):
             # A subclass may add fields of its own, and any of them may hold a module.
             names = tuple(field.name for field in attrs.fields(subclass))
-            check_holds_no_module(record, names, f"{name}.{method}", owner=module)
+            check_holds_no_module(
+                record, names, f"{name}.{method}", owner=module, label=module_label
+            )
         elif not holds_atoms_only(record):
-            check_holds_no_module(record, fields, f"{name}.{method}", owner=module)
+            check_holds_no_module(
+                record, fields, f"{name}.{method}", owner=module, label=module_label
+            )
 
     return check
 
@@ -482,17 +487,6 @@ def _record_checker(
 def _is_sequence(value: object) -> TypeIs[Sequence[object]]:
     """Whether ``value`` is a sequence other than a string, as a list of modules would be."""
     return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
-
-
-def root_modules(modules: Sequence[nn.Module]) -> list[nn.Module]:
-    """The modules that no other module of ``modules`` contains, in their given order."""
-    if len(modules) == 1:
-        return list(modules)
-    inside: set[int] = set()
-    for module in modules:
-        for _ in descendants(module, inside):
-            pass  # descendants() records every id it visits in ``inside``
-    return [module for module in modules if id(module) not in inside]
 
 
 def _check_state_class(state_cls: object) -> tuple[str, ...]:

@@ -29,10 +29,12 @@ from torchcontract import (
     Incompatible,
     InvalidMeshError,
     contract,
+    exported_from,
+    module_label,
+    named_tree,
+    on_rollback,
+    root_modules,
 )
-from torchcontract._contract import root_modules
-from torchcontract._describe import _named_tree, module_label
-from torchcontract._transaction import journal_undo
 
 from ..replicate import replicate
 from ._group import ALL_GROUPS, ParamGroup
@@ -94,7 +96,7 @@ def _find_parameters(targets: Sequence[nn.Module]) -> list[_Found]:
     inside = {id(module) for target in targets for module in target.modules()}
     found: dict[int, _Found] = {}
     for target in targets:
-        for prefix, module in _named_tree(target):
+        for prefix, module in named_tree(target):
             for name, parameter in module._parameters.items():
                 if parameter is None:
                     continue
@@ -180,6 +182,7 @@ def _typed(api: Contract[..., Any, FullyShardState]) -> FullyShardAPI:
         Incompatible("replicate"),
     ),
 )
+@exported_from("torchcontract.apis.fully_shard")
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -239,7 +242,7 @@ def fully_shard(
         handles.append(target.register_forward_hook(hooks.after))
     handles.extend(register_state_dict_hooks(group, targets))
     ALL_GROUPS.add(group)
-    journal_undo(_Undo(group, [item.parameter for item in found], handles))
+    on_rollback(_Undo(group, [item.parameter for item in found], handles))
     fully_shard.update(
         targets[0],
         lambda record: attrs.evolve(

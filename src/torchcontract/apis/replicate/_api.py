@@ -10,10 +10,9 @@ import attrs
 import torch.distributed as dist
 from torch import nn
 
-from torchcontract import ContractError, Incompatible, RegistryEntry, contract
+from torchcontract import ContractError, Incompatible, RegistryEntry, contract, exported_from
 
 from .. import _torch
-from .._export import exported_from
 from ..checkpoint import checkpoint, require_one_module
 from ._buckets import broadcast_from_first_rank
 from ._reducer import ParameterHook, Reducer
