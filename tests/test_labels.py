@@ -23,13 +23,15 @@ def test_a_module_inside_no_applied_module_is_labelled_by_its_class() -> None:
 
 
 def test_a_module_inside_an_applied_module_is_labelled_by_its_path_there() -> None:
-    model = marked(Model())
+    model = Model()
+    marked(model)
     assert module_label(model.layers[0]) == "Linear 'layers.0' of Model"
     assert module_label(model) == "Model"
 
 
 def test_a_label_ends_while_an_applied_tree_holds_a_cycle() -> None:
-    model = marked(Model())
+    model = Model()
+    marked(model)
     model.layers.add_module("back", model)
     stranger = nn.Linear(1, 1)
     assert module_label(stranger) == "Linear"

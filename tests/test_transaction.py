@@ -25,7 +25,7 @@ def tagging(module: nn.Module, *, fail: bool = False) -> None:
 
 
 @contract()
-def outer(module: nn.Module) -> None:
+def outer(module: nn.Sequential) -> None:
     tagging(module[0])
     raise RefusedError
 

@@ -7,7 +7,7 @@ from torch import nn
 from torchcontract import named_tree, root_modules
 
 
-def _model() -> nn.Module:
+def _model() -> nn.Sequential:
     shared = nn.Linear(2, 2)
     return nn.Sequential(nn.Sequential(shared, nn.ReLU()), shared, nn.Linear(2, 1))
 
