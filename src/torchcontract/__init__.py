@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from ._contract import AnyContract, Application, Contract, EmptyState, contract
+from ._contract import (
+    AnyContract,
+    Application,
+    Contract,
+    EmptyState,
+    ModuleContract,
+    ModuleListContract,
+    ModuleSequenceContract,
+    contract,
+)
 from ._describe import describe
 from ._errors import (
     AlreadyAppliedError,
@@ -55,6 +64,9 @@ __all__ = [
     "InvalidResultError",
     "InvalidStateClassError",
     "InvalidTargetError",
+    "ModuleContract",
+    "ModuleListContract",
+    "ModuleSequenceContract",
     "NotAppliedError",
     "RegistryEntry",
     "RulePredicateError",

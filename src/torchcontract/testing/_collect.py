@@ -25,10 +25,13 @@ import torch.distributed as dist
 
 __all__ = ["DUMP_SIGNAL", "Failure", "RankFailedError", "collect", "stack_path"]
 
-#: How long the other ranks may still report after one failed, before they are killed.
-#: The root cause needs none of it: a rank's own failure is in its pipe, or the rank is
-#: dead, before any peer can fail because of it; the grace only gathers the others.
+#: How long the other ranks may still report after a root cause is in, before they are
+#: killed: it only gathers their failures for the notes.
 GRACE_SECONDS: Final = 1.0
+#: How long the other ranks may report while only secondary failures are in: the rank
+#: whose failure caused them has failed already, but a busy machine may be slow to
+#: show it (its report or its exit), and it must not be killed before it does.
+CAUSE_GRACE_SECONDS: Final = 15.0
 
 #: Words of the errors a rank gets when a peer left the group (gloo's transport errors,
 #: torch's store and network errors): a consequence, not a cause.
@@ -96,10 +99,11 @@ def collect(
 ) -> dict[int, Any]:
     """Wait for every rank's report; raise the root-cause failure, or TimeoutError at the deadline.
 
-    After the first failure the others have ``GRACE_SECONDS`` to report. The one
-    raised is the first, by time, of the failures that are not secondary (see
-    ``Failure``), else the first of all; the others are added to it as notes. The
-    TimeoutError ends with where each hung rank was: its threads' stacks.
+    Once a failure that is not secondary (see ``Failure``) is in, the others have
+    ``GRACE_SECONDS`` to report; while only secondary ones are in,
+    ``CAUSE_GRACE_SECONDS``. The one raised is the first, by time, of the failures
+    that are not secondary, else the first of all; the others are added to it as
+    notes. The TimeoutError ends with where each hung rank was: its threads' stacks.
     """
     world_size = len(processes)
     deadline = time.monotonic() + timeout
@@ -141,7 +145,8 @@ def collect(
                 secondary, raised_at = False, time.time()
             error = _error_of(rank, world_size, processes[rank], payload)
             failures.append((secondary, raised_at, rank, error))
-            deadline = min(deadline, time.monotonic() + GRACE_SECONDS)
+            grace = CAUSE_GRACE_SECONDS if secondary else GRACE_SECONDS
+            deadline = min(deadline, time.monotonic() + grace)
     if failures:
         (_, _, _, first), *others = sorted(failures, key=lambda failure: failure[:3])
         for _, _, other_rank, other in others:

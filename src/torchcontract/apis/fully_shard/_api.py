@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Generator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, overload
 
 import attrs
 import torch
@@ -28,6 +28,7 @@ from torchcontract import (
     ContractError,
     Incompatible,
     InvalidMeshError,
+    ModuleListContract,
     contract,
     exported_from,
     module_label,
@@ -43,7 +44,14 @@ from ._sharding import Location, ManagedParameter
 from ._state import FullyShardState
 from ._state_dict import register_state_dict_hooks
 
-__all__ = ["fully_shard", "fully_shard_no_sync", "reshard", "unshard"]
+__all__ = [
+    "FullyShardAPI",
+    "FullyShardFunction",
+    "fully_shard",
+    "fully_shard_no_sync",
+    "reshard",
+    "unshard",
+]
 
 
 @attrs.frozen
@@ -134,14 +142,34 @@ def _find_parameters(targets: Sequence[nn.Module]) -> list[_Found]:
 
 _M = TypeVar("_M", bound=nn.Module)
 
+
+class FullyShardFunction(Protocol):
+    """The signature of the function behind ``fully_shard``: ``fully_shard.__wrapped__``."""
+
+    def __call__(
+        self,
+        module: nn.Module | list[nn.Module],
+        /,
+        *,
+        mesh: DeviceMesh | None = ...,
+        reshard_after_forward: bool = ...,
+        param_dtype: torch.dtype | None = ...,
+        reduce_dtype: torch.dtype | None = ...,
+    ) -> None: ...
+
+
 if TYPE_CHECKING:
 
-    class FullyShardAPI(Contract[..., Any, FullyShardState]):
+    class FullyShardAPI(ModuleListContract[..., FullyShardState]):
         """The static type of ``fully_shard``: a call returns exactly what it was given.
 
-        ``contract()`` types a call's result from the function's annotation
-        (``nn.Module | list[nn.Module]``); these overloads keep the caller's type.
+        ``ModuleListContract`` with the options spelled out, so that a variable or a
+        parameter can be annotated with it. Static only: at run time ``fully_shard`` is
+        a ``Contract``, and ``FullyShardAPI`` an alias of ``Contract[..., Any, FullyShardState]``.
         """
+
+        @property
+        def __wrapped__(self) -> FullyShardFunction: ...
 
         @overload
         def __call__(
@@ -165,7 +193,10 @@ if TYPE_CHECKING:
             param_dtype: torch.dtype | None = ...,
             reduce_dtype: torch.dtype | None = ...,
         ) -> list[_M]: ...
-        def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+        def __call__(self, module: nn.Module | list[Any], /, **kwargs: Any) -> Any: ...
+
+else:
+    FullyShardAPI = Contract[..., Any, FullyShardState]  # what fully_shard is at run time
 
 
 def _typed(api: Contract[..., Any, FullyShardState]) -> FullyShardAPI:
