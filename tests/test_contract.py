@@ -878,3 +878,7 @@ def test_a_contract_held_by_a_class_is_the_contract_itself() -> None:
 
     assert Holder.api is counted
     assert Holder().api is counted
+
+
+def test_the_contract_class_keeps_its_own_signature() -> None:
+    assert "state_cls" in inspect.signature(Contract).parameters

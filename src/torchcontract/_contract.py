@@ -124,6 +124,19 @@ class Application(Generic[_S_co]):
         return f"<Application {'detached' if self._cell is None else 'attached'}>"
 
 
+class _CallSignature:
+    """``Contract.__signature__``: a contract's call signature, and None on the class.
+
+    None on the class lets ``inspect.signature(Contract)`` describe the class as usual;
+    a property would hand it the property object.
+    """
+
+    def __get__(
+        self, instance: Contract[Any, Any, Any] | None, owner: type[object] | None = None
+    ) -> inspect.Signature | None:
+        return None if instance is None else instance._call_signature()
+
+
 class Contract(Generic[_P, _R_co, _S]):
     """A composable API: calling it applies ``func`` to a module; ``state`` reads its record.
 
@@ -189,15 +202,16 @@ class Contract(Generic[_P, _R_co, _S]):
     def __repr__(self) -> str:
         return f"<contract {self.name} with state {self.state_cls.__qualname__}>"
 
-    @property
-    def __signature__(self) -> inspect.Signature:
+    __signature__ = _CallSignature()
+
+    def _call_signature(self) -> inspect.Signature:
         """The API function's signature, returning what a call returns.
 
-        What ``inspect.signature`` and ``help`` show: a function returning None
-        gives back the module (or list) it was given, so the result is annotated as
-        the first parameter is.
+        What ``inspect.signature`` and ``help`` show (through ``__signature__``): a
+        function returning None gives back the module (or list) it was given, so the
+        result is annotated as the first parameter is.
         """
-        signature = inspect.signature(self._func)
+        signature = self._api_signature
         parameters = list(signature.parameters.values())
         if parameters and signature.return_annotation in (None, "None"):
             return signature.replace(return_annotation=parameters[0].annotation)
