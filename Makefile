@@ -16,6 +16,7 @@ test: lint typecheck unit
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 typecheck: $(BIN)/.installed
 	$(BIN)/mypy

@@ -24,7 +24,7 @@ from torchcontract import (
     torch_registry,
 )
 from torchcontract.apis import CheckpointState, checkpoint
-from torchcontract.testing import _gc_disabled
+from torchcontract.testing._compare import gc_disabled as _gc_disabled
 
 WIDTH = 32
 

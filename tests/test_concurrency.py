@@ -19,9 +19,9 @@ from torch import nn
 
 from torchcontract import (
     AlreadyAppliedError,
-    Contract,
     Incompatible,
     IncompatibleAPIError,
+    ModuleSequenceContract,
     StateStore,
     contract,
     describe,
@@ -33,7 +33,7 @@ ROUNDS = 200
 STORE = StateStore()
 
 Targets = nn.Module | Sequence[nn.Module]
-CountAPI = Contract[[Targets], Targets, Count]
+CountAPI = ModuleSequenceContract[[], Count]
 
 
 def _api(name: str, *, fail: bool = False, rules: Sequence[Incompatible] = ()) -> CountAPI:

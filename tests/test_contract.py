@@ -4,6 +4,8 @@ checks, and atomic apply."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import pydoc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -164,7 +166,10 @@ def test_contract_without_state_class_records_an_empty_state() -> None:
 def test_decorated_function_becomes_a_contract_with_the_function_identity() -> None:
     assert isinstance(counted, Contract)
     assert counted.__name__ == "counted"
-    assert counted.__doc__ == "Applies to a module or a list of modules and changes nothing."
+    assert counted.__doc__ is not None
+    assert counted.__doc__.startswith(
+        "Applies to a module or a list of modules and changes nothing.\n\n"
+    )
     assert counted.name == f"{__name__}.counted"
     assert counted.state_cls is CountState
 
@@ -372,7 +377,8 @@ def test_contract_keeps_the_attributes_set_on_its_function() -> None:
     tagged.__dict__["owner"] = "team-a"
     api = contract()(tagged)
     assert api.__dict__["owner"] == "team-a"
-    assert api.__doc__ == "Tagged."
+    assert api.__doc__ is not None
+    assert api.__doc__.startswith("Tagged.")
     assert api.__dict__["__wrapped__"] is tagged
 
 
@@ -831,3 +837,48 @@ def test_the_module_keeps_what_a_failed_function_did_to_it() -> None:
     with pytest.raises(FQNChangedError):
         _mutating(lambda m: m.add_module("hook", nn.Identity()))(model)
     assert isinstance(model.get_submodule("hook"), nn.Identity)
+
+
+# ----------------------------------------------------------------- introspection
+
+
+def test_signature_is_the_functions_returning_what_a_call_returns() -> None:
+    @contract()
+    def api(module: nn.Module, *, depth: int = 0) -> None:
+        """Does nothing."""
+
+    signature = inspect.signature(api)
+    assert list(signature.parameters) == ["module", "depth"]
+    assert signature.return_annotation == "nn.Module"
+
+
+def test_signature_of_a_function_returning_a_replacement_is_unchanged() -> None:
+    def replacing(module: nn.Module) -> nn.Sequential:
+        return nn.Sequential(module)
+
+    assert inspect.signature(contract()(replacing)) == inspect.signature(replacing)
+
+
+def test_help_shows_the_signature_the_documentation_and_the_contracts_methods() -> None:
+    @contract(CountState)
+    def api(module: nn.Module, *, depth: int = 0) -> None:
+        """Does nothing, deeply."""
+
+    text = pydoc.plain(pydoc.render_doc(api))
+    assert "api(module: 'nn.Module', *, depth: 'int' = 0) -> 'nn.Module'" in text
+    assert "Does nothing, deeply." in text
+    assert "records of class CountState" in text
+    for method in ("state(module)", "update(module, transition)", "is_applied(module)"):
+        assert method in text
+
+
+def test_a_contract_held_by_a_class_is_the_contract_itself() -> None:
+    class Holder:
+        api = counted
+
+    assert Holder.api is counted
+    assert Holder().api is counted
+
+
+def test_the_contract_class_keeps_its_own_signature() -> None:
+    assert "state_cls" in inspect.signature(Contract).parameters

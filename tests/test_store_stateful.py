@@ -24,6 +24,7 @@ from torch import nn
 from torchcontract import (
     AlreadyAppliedError,
     Contract,
+    ModuleListContract,
     NotAppliedError,
     StateStore,
     contract,
@@ -33,7 +34,7 @@ from torchcontract import (
 API_COUNT = 3
 MAX_MODULES = 10
 
-CountAPI = Contract[[nn.Module | list[nn.Module]], nn.Module | list[nn.Module], Count]
+CountAPI = ModuleListContract[[], Count]
 
 
 class Boom(BaseException):

@@ -52,6 +52,33 @@ def _exit_without_reporting(rank: int, world_size: int) -> None:
         os._exit(3)
 
 
+def _wait_for(path: Path) -> None:
+    while not path.exists():
+        time.sleep(0.005)
+
+
+def _exit_after_a_peer_failed(rank: int, world_size: int, directory: str) -> None:
+    """Rank 0 fails first, with what gloo raises when a peer leaves; then rank 1 exits."""
+    marker = Path(directory, "rank0-failed")
+    if rank == 0:
+        marker.touch()
+        raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer")
+    _wait_for(marker)
+    time.sleep(0.2)  # rank 0's report reaches the parent first
+    os._exit(3)
+
+
+def _raise_after_a_peer_failed(rank: int, world_size: int, directory: str) -> None:
+    """Rank 0 fails first with a peer's connection error; then rank 1's function raises."""
+    marker = Path(directory, "rank0-failed")
+    if rank == 0:
+        marker.touch()
+        raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+    _wait_for(marker)
+    time.sleep(0.2)
+    raise ValueError("rank one's own failure")
+
+
 class UnpicklableError(Exception):
     def __init__(self) -> None:
         super().__init__("holds a lock")
@@ -141,6 +168,22 @@ def test_hung_ranks_are_killed_at_the_timeout(tmp_path: Path) -> None:
 def test_rank_that_exits_without_reporting_raises_rank_failed_error() -> None:
     with pytest.raises(RankFailedError, match="rank 1 of 2 exited with code 3"):
         run_distributed(_exit_without_reporting, 2)
+
+
+def test_a_rank_exiting_is_raised_over_a_peers_connection_error_that_came_first(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(RankFailedError, match="rank 1 of 2 exited with code 3") as caught:
+        run_distributed(_exit_after_a_peer_failed, 2, args=(str(tmp_path),))
+    assert "then rank 0 failed: RuntimeError" in "".join(caught.value.__notes__)
+
+
+def test_an_exception_from_the_function_is_raised_over_a_peers_connection_error(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ValueError, match="rank one's own failure") as caught:
+        run_distributed(_raise_after_a_peer_failed, 2, args=(str(tmp_path),))
+    assert "then rank 0 failed: RuntimeError" in "".join(caught.value.__notes__)
 
 
 def test_unpicklable_exception_is_reported_with_its_traceback() -> None:
@@ -252,6 +295,24 @@ def test_api_allowed_to_change_numerics_passes_with_its_differences() -> None:
     report = check_api_invariants(doubling, ModelCase(Net, _inputs, same_numerics=False))
     assert report.output_difference > 0
     assert report.gradient_difference > 0
+
+
+@contract()
+def freezing(module: nn.Module) -> None:
+    module.get_parameter("second.bias").requires_grad_(False)
+
+
+def test_api_that_freezes_parameters_fails_when_numerics_must_be_the_same() -> None:
+    with pytest.raises(AssertionError, match=r"gradients differ in which parameters have one"):
+        check_api_invariants(freezing, CASE)
+
+
+def test_api_that_freezes_parameters_passes_when_numerics_may_change() -> None:
+    report = check_api_invariants(freezing, ModelCase(Net, _inputs, same_numerics=False))
+    assert report.unmatched_gradients == ("second.bias",)
+    assert report.parameters == 3
+    assert report.output_difference == 0
+    assert report.gradient_difference == 0
 
 
 def test_api_whose_hook_holds_its_module_fails_as_a_cycle() -> None:

@@ -45,7 +45,7 @@ USER_FILE = textwrap.dedent(
 
 
     model = nn.Linear(2, 2)
-    assert_type(counted(model, start=1), nn.Module)
+    assert_type(counted(model, start=1), nn.Linear)  # the caller's class, kept
     assert_type(counted.state(model), Counter)
     assert_type(counted.application(model), Application[Counter])
     assert_type(replicate.get_state(model), ReplicateState | None)

@@ -32,7 +32,10 @@ def shard(module: nn.Module, *, reshard: bool = True) -> None:
 
 
 def _reshards(entry: RegistryEntry[Contract[_P, object, ShardState]]) -> bool:
-    # Recorded arguments are objects: compare, do not trust their type.
+    # A def, not a lambda: under --disallow-any-expr mypy types a lambda passed to
+    # Incompatible's overloaded constructor as Any. Generic in _P rather than ``...``,
+    # which is Any there too. Recorded arguments are objects: compare, do not trust
+    # their type.
     return entry.arguments["reshard"] is True
 
 

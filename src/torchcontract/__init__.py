@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from ._contract import AnyContract, Application, Contract, EmptyState, contract
+from ._contract import (
+    AnyContract,
+    Application,
+    Contract,
+    EmptyState,
+    ModuleContract,
+    ModuleListContract,
+    ModuleSequenceContract,
+    contract,
+)
 from ._describe import describe
 from ._errors import (
     AlreadyAppliedError,
@@ -21,7 +30,9 @@ from ._errors import (
     RulePredicateError,
     UnknownTorchAPIError,
 )
+from ._export import exported_from
 from ._fqn import FQNSnapshot, take_snapshot
+from ._labels import module_label
 from ._registry import (
     Incompatible,
     RegistryEntry,
@@ -31,6 +42,8 @@ from ._registry import (
     torch_registry,
 )
 from ._store import StateStore
+from ._transaction import on_rollback
+from ._tree import named_tree, root_modules
 
 __all__ = [
     "AlreadyAppliedError",
@@ -51,6 +64,9 @@ __all__ = [
     "InvalidResultError",
     "InvalidStateClassError",
     "InvalidTargetError",
+    "ModuleContract",
+    "ModuleListContract",
+    "ModuleSequenceContract",
     "NotAppliedError",
     "RegistryEntry",
     "RulePredicateError",
@@ -60,7 +76,12 @@ __all__ = [
     "UnknownTorchAPIError",
     "contract",
     "describe",
+    "exported_from",
+    "module_label",
+    "named_tree",
+    "on_rollback",
     "registry",
+    "root_modules",
     "take_snapshot",
     "torch_registry",
 ]

@@ -11,16 +11,26 @@ from __future__ import annotations
 
 import functools
 import inspect
+import textwrap
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Concatenate, Generic, Protocol, Self, TypeVar, overload
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Concatenate,
+    Final,
+    Generic,
+    Protocol,
+    Self,
+    TypeVar,
+    overload,
+)
 
 import attrs
 from torch import nn
 from typing_extensions import ParamSpec, TypeIs
 
 from ._arguments import bind_arguments
-from ._describe import module_label
 from ._errors import (
     AlreadyAppliedError,
     InvalidRecordError,
@@ -29,7 +39,8 @@ from ._errors import (
     InvalidTargetError,
     NotAppliedError,
 )
-from ._fqn import FQNSnapshot, check_strict, check_unchanged, descendants, take_snapshot
+from ._fqn import FQNSnapshot, check_strict, check_unchanged, take_snapshot
+from ._labels import module_label
 from ._registry import REGISTRY, Incompatible, RegistryEntry, check_compatible
 from ._store import (
     DEFAULT_STORE,
@@ -39,8 +50,18 @@ from ._store import (
     check_holds_no_module,
 )
 from ._transaction import WRITE_LOCK, Transaction, open_journal
+from ._tree import root_modules
 
-__all__ = ["AnyContract", "Application", "Contract", "EmptyState", "contract"]
+__all__ = [
+    "AnyContract",
+    "Application",
+    "Contract",
+    "EmptyState",
+    "ModuleContract",
+    "ModuleListContract",
+    "ModuleSequenceContract",
+    "contract",
+]
 
 _P = ParamSpec("_P")
 # What a call returns: only ever returned, so a contract returning ``nn.Linear`` is
@@ -55,6 +76,10 @@ _S = TypeVar("_S")
 _S_co = TypeVar("_S_co", covariant=True)
 _Target = TypeVar("_Target", bound="nn.Module | Sequence[nn.Module]")
 _Result = TypeVar("_Result", bound="nn.Module | Sequence[nn.Module]")
+# The module a call is given, as the caller typed it.
+_M = TypeVar("_M", bound=nn.Module)
+# The items of the lists an API function declares it takes (``list[nn.Linear]``).
+_Item = TypeVar("_Item", bound=nn.Module)
 
 
 @attrs.frozen
@@ -99,6 +124,19 @@ class Application(Generic[_S_co]):
         return f"<Application {'detached' if self._cell is None else 'attached'}>"
 
 
+class _CallSignature:
+    """``Contract.__signature__``: a contract's call signature, and None on the class.
+
+    None on the class lets ``inspect.signature(Contract)`` describe the class as usual;
+    a property would hand it the property object.
+    """
+
+    def __get__(
+        self, instance: Contract[Any, Any, Any] | None, owner: type[object] | None = None
+    ) -> inspect.Signature | None:
+        return None if instance is None else instance._call_signature()
+
+
 class Contract(Generic[_P, _R_co, _S]):
     """A composable API: calling it applies ``func`` to a module; ``state`` reads its record.
 
@@ -108,8 +146,12 @@ class Contract(Generic[_P, _R_co, _S]):
     compared and hashed by identity and pickle by reference.
     """
 
-    #: The API function, as ``functools.update_wrapper`` sets it.
-    __wrapped__: Callable[_P, object]
+    if TYPE_CHECKING:
+
+        @property
+        def __wrapped__(self) -> Callable[_P, object]:
+            """The API function, as ``functools.update_wrapper`` sets it (read-only)."""
+            ...
 
     def __init__(
         self,
@@ -127,6 +169,8 @@ class Contract(Generic[_P, _R_co, _S]):
         functools.update_wrapper(self, func, updated=())
         if extra := getattr(func, "__dict__", None):
             self.__dict__.update(extra)
+        # help() shows the function's documentation, then what the contract adds.
+        self.__doc__ = _documentation(func, state_cls)
         self.__name__: str = func.__name__
         self.__qualname__: str = func.__qualname__
         self._func = func
@@ -157,6 +201,29 @@ class Contract(Generic[_P, _R_co, _S]):
 
     def __repr__(self) -> str:
         return f"<contract {self.name} with state {self.state_cls.__qualname__}>"
+
+    __signature__ = _CallSignature()
+
+    def _call_signature(self) -> inspect.Signature:
+        """The API function's signature, returning what a call returns.
+
+        What ``inspect.signature`` and ``help`` show (through ``__signature__``): a
+        function returning None gives back the module (or list) it was given, so the
+        result is annotated as the first parameter is.
+        """
+        signature = self._api_signature
+        parameters = list(signature.parameters.values())
+        if parameters and signature.return_annotation in (None, "None"):
+            return signature.replace(return_annotation=parameters[0].annotation)
+        return signature
+
+    def __get__(self, instance: object, owner: type[object] | None = None) -> Self:
+        """A contract held by a class is the contract itself, as a ``staticmethod`` is.
+
+        It makes ``help()`` show a contract as the function it is: its signature
+        and documentation, not the repr of an object.
+        """
+        return self
 
     def __reduce__(self) -> str:
         # Pickle (and copy) by reference, as functions do.
@@ -363,6 +430,99 @@ class Contract(Generic[_P, _R_co, _S]):
 
 AnyContract = Contract[..., Any, Any]
 
+#: The methods every contract adds to its function, listed by ``help()``.
+_METHODS: Final = (
+    "state(module)",
+    "get_state(module)",
+    "update(module, transition)",
+    "set_state(module, record)",
+    "is_applied(module)",
+    "application(module)",
+    "entry(module)",
+    "bind_arguments(args, kwargs)",
+)
+
+
+def _documentation(func: Callable[..., object], state_cls: type[Any]) -> str:
+    """``func``'s docstring, then the contract's methods and record class."""
+    own = inspect.cleandoc(func.__doc__) + "\n\n" if func.__doc__ else ""
+    added = (
+        f"A composable API (torchcontract.Contract) keeping records of class "
+        f"{state_cls.__qualname__}. Methods: {', '.join(_METHODS)}; "
+        "see help(torchcontract.Contract)."
+    )
+    return own + textwrap.fill(added, width=80)
+
+
+if TYPE_CHECKING:
+
+    class ModuleContract(Contract[Concatenate[nn.Module, _P], nn.Module, _S]):
+        """The type ``contract`` gives an API function ``(module: nn.Module, ...) -> None``.
+
+        Also for a generic ``(module: M, ...) -> M``. A call returns the module it was
+        given, typed as the caller typed it: ``api(TinyNet())`` is a ``TinyNet``.
+        Static only: at run time every contract is a ``Contract``, and
+        ``ModuleContract`` a generic alias of it (test with ``isinstance(x, Contract)``).
+        """
+
+        def __call__(self, module: _M, /, *args: _P.args, **kwargs: _P.kwargs) -> _M: ...
+
+    class ModuleListContract(ModuleContract[_P, _S]):
+        """The type ``contract`` gives ``(module: nn.Module | list[nn.Module], ...) -> None``.
+
+        A call returns what it was given, typed as given: a module as its class, a
+        list as the list (``list[nn.Linear]``). Static only, like ``ModuleContract``.
+        Also for ``list[M]`` in place of ``list[nn.Module]`` in a generic function.
+        """
+
+        @overload
+        def __call__(self, module: _M, /, *args: _P.args, **kwargs: _P.kwargs) -> _M: ...
+        @overload
+        def __call__(
+            self, module: list[_M], /, *args: _P.args, **kwargs: _P.kwargs
+        ) -> list[_M]: ...
+        def __call__(
+            self, module: nn.Module | list[Any], /, *args: _P.args, **kwargs: _P.kwargs
+        ) -> Any: ...
+
+    class ModuleSequenceContract(ModuleListContract[_P, _S]):
+        """The type ``contract`` gives ``(module: nn.Module | Sequence[nn.Module], ...) -> None``.
+
+        As ``ModuleListContract``, and any other sequence of modules (a tuple, a
+        ``ModuleList``) comes back typed as the sequence of its items. Static only.
+        """
+
+        @overload
+        def __call__(self, module: _M, /, *args: _P.args, **kwargs: _P.kwargs) -> _M: ...
+        @overload
+        def __call__(
+            self, module: list[_M], /, *args: _P.args, **kwargs: _P.kwargs
+        ) -> list[_M]: ...
+        @overload
+        def __call__(
+            self, module: Sequence[_M], /, *args: _P.args, **kwargs: _P.kwargs
+        ) -> Sequence[_M]: ...
+        def __call__(
+            self, module: nn.Module | Sequence[Any], /, *args: _P.args, **kwargs: _P.kwargs
+        ) -> Any: ...
+
+else:
+    # At run time every contract is a Contract; these names are generic aliases of it, so
+    # they subscript as the classes above do, and refuse isinstance as any alias does.
+    ModuleContract = Contract[Concatenate[nn.Module, _P], nn.Module, _S]
+    ModuleListContract = Contract[
+        Concatenate[nn.Module | list[nn.Module], _P], nn.Module | list[nn.Module], _S
+    ]
+    ModuleSequenceContract = Contract[
+        Concatenate[nn.Module | Sequence[nn.Module], _P], nn.Module | Sequence[nn.Module], _S
+    ]
+
+
+class _KeepsModule(Protocol[_P]):
+    """An API function ``(module: M, ...) -> M``, generic in the module's class."""
+
+    def __call__(self, module: _M, /, *args: _P.args, **kwargs: _P.kwargs) -> _M: ...
+
 
 def _not_applied(name: str, module: nn.Module) -> NotAppliedError:
     return NotAppliedError(
@@ -472,9 +632,13 @@ def _record_checker(
         if type(record) is not state_cls and attrs.has(subclass := type(record)):
             # A subclass may add fields of its own, and any of them may hold a module.
             names = tuple(field.name for field in attrs.fields(subclass))
-            check_holds_no_module(record, names, f"{name}.{method}", owner=module)
+            check_holds_no_module(
+                record, names, f"{name}.{method}", owner=module, label=module_label
+            )
         elif not holds_atoms_only(record):
-            check_holds_no_module(record, fields, f"{name}.{method}", owner=module)
+            check_holds_no_module(
+                record, fields, f"{name}.{method}", owner=module, label=module_label
+            )
 
     return check
 
@@ -482,17 +646,6 @@ def _record_checker(
 def _is_sequence(value: object) -> TypeIs[Sequence[object]]:
     """Whether ``value`` is a sequence other than a string, as a list of modules would be."""
     return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
-
-
-def root_modules(modules: Sequence[nn.Module]) -> list[nn.Module]:
-    """The modules that no other module of ``modules`` contains, in their given order."""
-    if len(modules) == 1:
-        return list(modules)
-    inside: set[int] = set()
-    for module in modules:
-        for _ in descendants(module, inside):
-            pass  # descendants() records every id it visits in ``inside``
-    return [module for module in modules if id(module) not in inside]
 
 
 def _check_state_class(state_cls: object) -> tuple[str, ...]:
@@ -547,6 +700,20 @@ class _Decorator(Generic[_S]):
         self._rules = rules
         self._strict = strict
 
+    @overload
+    def __call__(
+        self, func: Callable[Concatenate[nn.Module | Sequence[nn.Module], _P], None]
+    ) -> ModuleSequenceContract[_P, _S]: ...
+    @overload
+    def __call__(
+        self, func: Callable[Concatenate[nn.Module | list[_Item], _P], None]
+    ) -> ModuleListContract[_P, _S]: ...
+    @overload
+    def __call__(
+        self, func: Callable[Concatenate[nn.Module, _P], None]
+    ) -> ModuleContract[_P, _S]: ...
+    @overload
+    def __call__(self, func: _KeepsModule[_P]) -> ModuleContract[_P, _S]: ...
     @overload
     def __call__(
         self, func: Callable[Concatenate[_Target, _P], None]

@@ -1,60 +1,18 @@
-"""describe(): the module tree with the APIs applied where; and short module labels for errors.
+"""describe(): the module tree with the APIs applied where.
 
-Neither ever prints a module's repr: a large model's repr runs to thousands of lines.
+It never prints a module's repr: a large model's repr runs to thousands of lines.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from torch import nn
 
-__all__ = ["describe", "module_label"]
+from ._registry import registry, torch_registry
 
-
-def module_label(module: nn.Module) -> str:
-    """A short name: ``Linear 'layers.0.fc' of Model`` when an applied module contains it.
-
-    Otherwise just the class name, ``Linear``.
-    """
-    from ._registry import REGISTRY
-
-    name = type(module).__qualname__
-    for root in REGISTRY.modules():
-        if root is module:
-            continue
-        for fqn, candidate in _named_tree(root):
-            if candidate is module:
-                return f"{name} {fqn!r} of {type(root).__qualname__}"
-    return name
-
-
-def _named_tree(root: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
-    """Every path of ``root``'s tree (shared modules at each of theirs), pre-order.
-
-    A module already on the path to a child (a cycle in the tree) is not entered
-    again, so the walk ends on any tree.
-    """
-    stack: list[tuple[str, nn.Module, int]] = [(prefix, root, 0)]
-    path: list[int] = []  # ids of the modules from the root down to the current one
-    while stack:
-        fqn, module, depth = stack.pop()
-        del path[depth:]
-        if id(module) in path:
-            continue
-        path.append(id(module))
-        yield fqn, module
-        dot = fqn + "." if fqn else ""
-        stack.extend(
-            (dot + name, child, depth + 1)
-            for name, child in reversed(module._modules.items())
-            if child is not None
-        )
+__all__ = ["describe"]
 
 
 def _applied(module: nn.Module) -> list[str]:
-    from ._registry import registry, torch_registry
-
     ours = [entry.api.__name__ for entry in registry(module).values()]
     theirs = [f"{name} (torch)" for name in torch_registry(module)]
     return ours + theirs

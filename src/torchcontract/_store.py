@@ -25,9 +25,8 @@ from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar, cast
 import attrs
 from torch import nn
 
-from ._describe import module_label
 from ._errors import InvalidRecordError
-from ._transaction import WRITE_LOCK, journal_undo
+from ._transaction import WRITE_LOCK, on_rollback
 
 if TYPE_CHECKING:
     from ._contract import AnyContract
@@ -150,7 +149,7 @@ class ModuleTable(Generic[_K, _V]):
             column = self._columns.get(id(key))
             if column is not None:
                 column[id(module)] = value
-            journal_undo(lambda: self._discard(module, key))
+            on_rollback(lambda: self._discard(module, key))
 
     def _discard(self, module: nn.Module, key: _K) -> None:
         slot = self._slots.get(id(module))
@@ -208,12 +207,18 @@ def _column_dropper(table: weakref.ref[ModuleTable[Any, Any]]) -> Callable[[_Key
     return drop
 
 
+def _class_name(module: nn.Module) -> str:
+    return type(module).__qualname__
+
+
 def check_holds_no_module(
     record: object,
     field_names: tuple[str, ...],
     api_name: str,
     error: type[TypeError] = InvalidRecordError,
+    *,
     owner: nn.Module | None = None,
+    label: Callable[[nn.Module], str] = _class_name,
 ) -> None:
     """Raise ``error`` if ``record`` keeps an ``nn.Module`` alive through one of its fields.
 
@@ -221,7 +226,8 @@ def check_holds_no_module(
     store, so modules are refused in fields and in whatever ``_holds_module`` walks.
     ``error`` is ``InvalidRecordError`` for a record being stored, and
     ``InvalidStateClassError`` for the default record checked at decoration.
-    ``owner`` is the module the record is for, when there is one; the message names it.
+    ``owner`` is the module the record is for, when there is one; the message names it
+    with ``label`` (the contract passes ``module_label``, which sits above this module).
     """
     for name in field_names:
         if _holds_module(getattr(record, name)):
@@ -230,7 +236,7 @@ def check_holds_no_module(
                 "nn.Module (itself, in a container, or through a bound method, a closure or "
                 "a functools.partial), which would keep the module alive forever; store its "
                 "FQN or a weakref.ref to it instead"
-                + (f" (record for {module_label(owner)})" if owner is not None else "")
+                + (f" (record for {label(owner)})" if owner is not None else "")
             )
 
 

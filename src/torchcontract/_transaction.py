@@ -15,7 +15,7 @@ from contextvars import ContextVar
 from types import TracebackType
 from typing import Final
 
-__all__ = ["WRITE_LOCK", "Transaction", "journal_undo", "open_journal"]
+__all__ = ["WRITE_LOCK", "Transaction", "on_rollback", "open_journal"]
 
 #: Serializes every write to every table; reads take no lock.
 WRITE_LOCK: Final = threading.RLock()
@@ -29,8 +29,17 @@ _JOURNAL: Final[ContextVar[list[_Undo] | None]] = ContextVar("torchcontract_jour
 open_journal: Final[Callable[[], list[_Undo] | None]] = _JOURNAL.get
 
 
-def journal_undo(undo: _Undo) -> None:
-    """Record ``undo`` in the open transaction of this context, if there is one."""
+def on_rollback(undo: Callable[[], None]) -> None:
+    """Call ``undo()`` if the apply running in this context fails, after the API function ran.
+
+    For what an API function does outside the state store (hooks it registers,
+    parameters it swaps, groups it adds to a global set): the contract undoes its own
+    records and registry entries, and ``undo`` puts the rest back. Undo steps run in
+    reverse order of registration, under the store's write lock, on any exception,
+    ``BaseException`` included; an apply that succeeds inside another one hands its
+    steps to the enclosing apply, so they run if that one fails. ``undo`` must not
+    raise. Outside an apply there is nothing to roll back, and ``undo`` is dropped.
+    """
     journal = _JOURNAL.get()
     if journal is not None:
         journal.append(undo)

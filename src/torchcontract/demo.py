@@ -38,8 +38,8 @@ from torch.nn import functional
 from torch.nn.parallel import DistributedDataParallel
 
 from torchcontract import describe, registry
-from torchcontract._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.apis import checkpoint, fully_shard, replicate
+from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.apis._torch import (
     all_gather_objects,
     all_reduce_blocking,

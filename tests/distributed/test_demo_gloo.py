@@ -11,7 +11,7 @@ import pytest
 import torch
 from commands import run_command
 
-from torchcontract._compat import REFERENCE_FULLY_SHARD_ON_CPU
+from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.demo import Outcome, Settings, ShardedOutcome, train, train_sharded
 from torchcontract.testing import run_distributed
 

@@ -49,7 +49,6 @@ from torchcontract import (
     NotAppliedError,
     contract,
 )
-from torchcontract._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.apis import (
     FullyShardState,
     _torch,
@@ -60,6 +59,7 @@ from torchcontract.apis import (
     reshard,
     unshard,
 )
+from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.testing import run_distributed
 
 # The scenarios that compare with PyTorch's fully_shard need a torch that runs it on CPU;

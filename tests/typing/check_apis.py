@@ -26,12 +26,13 @@ from torchcontract.apis import (
 
 model = nn.Linear(2, 2)
 
-assert_type(replicate(model, bucket_cap_mb=1.0, broadcast_buffers=False), nn.Module)
+# A call returns the module it was given, typed as the caller typed it.
+assert_type(replicate(model, bucket_cap_mb=1.0, broadcast_buffers=False), nn.Linear)
 assert_type(replicate.state(model), ReplicateState)
 assert_type(replicate.state(model).buckets, tuple[tuple[str, ...], ...])
 assert_type(replicate.state(model).process_group, dist.ProcessGroup | None)
 assert_type(replicate.application(model), Application[ReplicateState])
-assert_type(checkpoint(model, use_reentrant=True), nn.Module)
+assert_type(checkpoint(model, use_reentrant=True), nn.Linear)
 assert_type(checkpoint.state(model), CheckpointState)
 
 with no_sync(model):

@@ -61,7 +61,11 @@ assert_type(scale(model, factor=2.0), nn.Module)
 assert_type(tag(linear), nn.Linear)
 assert_type(tag(linear, "x"), nn.Linear)
 assert_type(maybe_wrap(linear), nn.Linear | nn.Sequential)
-assert_type(mark([linear, model]), nn.Module | Sequence[nn.Module])
+# A function returning None gives back what it was given, typed as the caller typed it.
+assert_type(mark(linear), nn.Linear)
+modules: list[nn.Module] = [linear, model]
+assert_type(mark(modules), list[nn.Module])
+assert_type(mark((linear, linear)), Sequence[nn.Linear])
 assert_type(replace_all([linear]), list[nn.Linear])
 
 # contract() without a state class keeps an EmptyState record.
@@ -80,7 +84,7 @@ scale(module=model, factor=2.0)  # type: ignore[call-arg]
 
 
 # The first parameter must take a module (or modules); the result must be one, or None.
-@contract()  # type: ignore[type-var]
+@contract()  # type: ignore[arg-type]
 def on_int(value: int) -> None:
     pass
 

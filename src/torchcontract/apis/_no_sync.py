@@ -7,8 +7,7 @@ from collections.abc import Generator
 
 from torch import nn
 
-from torchcontract import NotAppliedError
-from torchcontract._describe import module_label
+from torchcontract import NotAppliedError, module_label
 
 from .fully_shard import fully_shard
 from .fully_shard._api import fully_shard_no_sync

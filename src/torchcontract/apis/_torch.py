@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils.hooks import RemovableHandle
 
-from torchcontract import _compat
+from . import _compat
 
 __all__ = [
     "all_gather_into",

@@ -35,8 +35,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 from torch.utils import checkpoint as torch_checkpoint
 
-from torchcontract import Application, InvalidTargetError, contract
-from torchcontract._describe import module_label
+from torchcontract import Application, InvalidTargetError, contract, module_label
 
 from . import _torch
 

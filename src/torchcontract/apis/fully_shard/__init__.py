@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from ._api import fully_shard, reshard, unshard
+from ._api import FullyShardAPI, FullyShardFunction, fully_shard, reshard, unshard
 from ._state import FullyShardState
 
-__all__ = ["FullyShardState", "fully_shard", "reshard", "unshard"]
+__all__ = [
+    "FullyShardAPI",
+    "FullyShardFunction",
+    "FullyShardState",
+    "fully_shard",
+    "reshard",
+    "unshard",
+]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Generator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, overload
 
 import attrs
 import torch
@@ -28,11 +28,14 @@ from torchcontract import (
     ContractError,
     Incompatible,
     InvalidMeshError,
+    ModuleListContract,
     contract,
+    exported_from,
+    module_label,
+    named_tree,
+    on_rollback,
+    root_modules,
 )
-from torchcontract._contract import root_modules
-from torchcontract._describe import _named_tree, module_label
-from torchcontract._transaction import journal_undo
 
 from ..replicate import replicate
 from ._group import ALL_GROUPS, ParamGroup
@@ -41,7 +44,14 @@ from ._sharding import Location, ManagedParameter
 from ._state import FullyShardState
 from ._state_dict import register_state_dict_hooks
 
-__all__ = ["fully_shard", "fully_shard_no_sync", "reshard", "unshard"]
+__all__ = [
+    "FullyShardAPI",
+    "FullyShardFunction",
+    "fully_shard",
+    "fully_shard_no_sync",
+    "reshard",
+    "unshard",
+]
 
 
 @attrs.frozen
@@ -94,7 +104,7 @@ def _find_parameters(targets: Sequence[nn.Module]) -> list[_Found]:
     inside = {id(module) for target in targets for module in target.modules()}
     found: dict[int, _Found] = {}
     for target in targets:
-        for prefix, module in _named_tree(target):
+        for prefix, module in named_tree(target):
             for name, parameter in module._parameters.items():
                 if parameter is None:
                     continue
@@ -132,14 +142,34 @@ def _find_parameters(targets: Sequence[nn.Module]) -> list[_Found]:
 
 _M = TypeVar("_M", bound=nn.Module)
 
+
+class FullyShardFunction(Protocol):
+    """The signature of the function behind ``fully_shard``: ``fully_shard.__wrapped__``."""
+
+    def __call__(
+        self,
+        module: nn.Module | list[nn.Module],
+        /,
+        *,
+        mesh: DeviceMesh | None = ...,
+        reshard_after_forward: bool = ...,
+        param_dtype: torch.dtype | None = ...,
+        reduce_dtype: torch.dtype | None = ...,
+    ) -> None: ...
+
+
 if TYPE_CHECKING:
 
-    class FullyShardAPI(Contract[..., Any, FullyShardState]):
+    class FullyShardAPI(ModuleListContract[..., FullyShardState]):
         """The static type of ``fully_shard``: a call returns exactly what it was given.
 
-        ``contract()`` types a call's result from the function's annotation
-        (``nn.Module | list[nn.Module]``); these overloads keep the caller's type.
+        ``ModuleListContract`` with the options spelled out, so that a variable or a
+        parameter can be annotated with it. Static only: at run time ``fully_shard`` is
+        a ``Contract``, and ``FullyShardAPI`` an alias of ``Contract[..., Any, FullyShardState]``.
         """
+
+        @property
+        def __wrapped__(self) -> FullyShardFunction: ...
 
         @overload
         def __call__(
@@ -163,7 +193,10 @@ if TYPE_CHECKING:
             param_dtype: torch.dtype | None = ...,
             reduce_dtype: torch.dtype | None = ...,
         ) -> list[_M]: ...
-        def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+        def __call__(self, module: nn.Module | list[Any], /, **kwargs: Any) -> Any: ...
+
+else:
+    FullyShardAPI = Contract[..., Any, FullyShardState]  # what fully_shard is at run time
 
 
 def _typed(api: Contract[..., Any, FullyShardState]) -> FullyShardAPI:
@@ -180,6 +213,7 @@ def _typed(api: Contract[..., Any, FullyShardState]) -> FullyShardAPI:
         Incompatible("replicate"),
     ),
 )
+@exported_from("torchcontract.apis.fully_shard")
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -239,7 +273,7 @@ def fully_shard(
         handles.append(target.register_forward_hook(hooks.after))
     handles.extend(register_state_dict_hooks(group, targets))
     ALL_GROUPS.add(group)
-    journal_undo(_Undo(group, [item.parameter for item in found], handles))
+    on_rollback(_Undo(group, [item.parameter for item in found], handles))
     fully_shard.update(
         targets[0],
         lambda record: attrs.evolve(

@@ -20,8 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from torchcontract import IncompatibleAPIError, torch_registry
-from torchcontract._describe import _named_tree, module_label
+from torchcontract import IncompatibleAPIError, module_label, named_tree, torch_registry
 
 from .. import _torch
 from ._group import ALL_GROUPS, ParamGroup, Phase, Root
@@ -154,7 +153,7 @@ def _check_no_torch_api(group: ParamGroup) -> None:
     is the first moment to say so.
     """
     for top in group.modules():
-        for fqn, module in _named_tree(top):
+        for fqn, module in named_tree(top):
             for name in ("fully_shard", "replicate"):
                 if name in torch_registry(module):
                     raise IncompatibleAPIError(

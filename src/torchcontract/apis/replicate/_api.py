@@ -12,11 +12,17 @@ import attrs
 import torch.distributed as dist
 from torch import nn
 
-from torchcontract import ContractError, Incompatible, InvalidTargetError, RegistryEntry, contract
-from torchcontract._describe import module_label
+from torchcontract import (
+    ContractError,
+    Incompatible,
+    InvalidTargetError,
+    RegistryEntry,
+    contract,
+    exported_from,
+    module_label,
+)
 
 from .. import _torch
-from .._export import exported_from
 from ..checkpoint import checkpoint, describe_value, require_bool, require_one_module
 from ._buckets import broadcast_from_first_rank
 from ._reducer import ParameterHook, Reducer

@@ -34,8 +34,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from torchcontract import Application, ContractError, IncompatibleAPIError, torch_registry
-from torchcontract._describe import _named_tree, module_label
+from torchcontract import (
+    Application,
+    ContractError,
+    IncompatibleAPIError,
+    module_label,
+    named_tree,
+    torch_registry,
+)
 
 from .. import _torch
 from ._buckets import FIRST_BUCKET_BYTES, assign_buckets, broadcast_from_first_rank
@@ -338,7 +344,7 @@ def _check_no_torch_api(root: nn.Module) -> None:
     the first moment to say so (torch's ``fully_shard`` has replaced the parameters
     by then, and torch's ``replicate`` would average the gradients a second time).
     """
-    for fqn, module in _named_tree(root):
+    for fqn, module in named_tree(root):
         for name in ("fully_shard", "replicate"):
             if name in torch_registry(module):
                 where = "on it" if not fqn else f"on {type(module).__qualname__} {fqn!r} inside it"

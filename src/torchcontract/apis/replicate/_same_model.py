@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchcontract import ContractError
-from torchcontract._describe import module_label
+from torchcontract import ContractError, module_label
 
 from .. import _torch
 
