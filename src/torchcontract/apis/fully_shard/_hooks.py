@@ -50,10 +50,15 @@ class ForwardHooks:
         # A deep copy inherits these hooks; they act only for the modules applied to.
         return id(module) in self.group.module_ids and self.group.record() is not None
 
+    @_torch.outside_compile
     def before(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> _Inputs | None:
-        """Forward pre-hook: gather the parameters; wrap the inputs for the post-backward."""
+        """Forward pre-hook: gather the parameters; wrap the inputs for the post-backward.
+
+        Both hooks run outside ``torch.compile``, as FSDP2's: parameter swaps and
+        collectives are not traced, only the module's compute.
+        """
         if not self._acts_on(module):
             return None
         group = self.group
@@ -73,6 +78,7 @@ class ForwardHooks:
             args, kwargs = _with_post_backward(group, args, kwargs)
         return args, kwargs
 
+    @_torch.outside_compile
     def after(self, module: nn.Module, args: tuple[Any, ...], output: object) -> object:
         """Forward hook: reshard (unless root), hook the outputs for the pre-backward."""
         if not self._acts_on(module) or _in_backward():
