@@ -20,6 +20,7 @@ from ._errors import (
     NotAppliedError,
     RulePredicateError,
     UnknownTorchAPIError,
+    UnmaterializedParameterError,
 )
 from ._fqn import FQNSnapshot, take_snapshot
 from ._registry import (
@@ -58,6 +59,7 @@ __all__ = [
     "StateStore",
     "TorchAPIName",
     "UnknownTorchAPIError",
+    "UnmaterializedParameterError",
     "contract",
     "describe",
     "registry",

@@ -45,6 +45,7 @@ __all__ = [
     "register_state_dict_pre_hook",
     "register_tensor_hook",
     "set_device_states",
+    "swap_tensors",
     "to_bools",
     "to_ints",
 ]
@@ -96,6 +97,9 @@ def outside_compile(function: Callable[_P, _R]) -> Callable[_P, _R]:
     """
     return cast(Callable[_P, _R], _compiler_disable(function, recursive=True))
 
+
+#: ``swap_tensors(a, b)``: exchange two tensors' contents, keeping each Python object.
+swap_tensors: Final = cast(Callable[[Tensor, Tensor], None], torch.utils.swap_tensors)
 
 _all_reduce: Final = cast(Callable[..., dist.Work], dist.all_reduce)
 _broadcast: Final = cast(Callable[..., dist.Work | None], dist.broadcast)

@@ -71,6 +71,8 @@ class ForwardHooks:
         root = group.root
         if group.is_root and root is not None:
             root.start_iteration()
+            for member in root.groups:  # every group, before any of the model's compute
+                member.check_materialized()
         group.phase = Phase.FORWARD
         group.unshard()
         group.update(_count_forward)
