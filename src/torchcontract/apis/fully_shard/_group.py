@@ -56,6 +56,8 @@ class Root:
     def __init__(self, groups: Sequence[ParamGroup]) -> None:
         self._groups = tuple(weakref.ref(group) for group in groups)
         self.callback_queued = False
+        # Whether every group's shards were found off the meta device (checked until they are).
+        self.materialized = False
 
     @property
     def groups(self) -> list[ParamGroup]:

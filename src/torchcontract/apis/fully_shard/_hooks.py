@@ -8,6 +8,11 @@ to them, and so the module's parameter gradients, is computed (PyTorch's
 hook the outputs so that their gradient gathers the parameters again first.
 A forward run inside backward (a checkpoint recomputing it) only makes sure the
 parameters are gathered.
+
+Under ``torch.compile`` both forward hooks run eagerly (``torch.compiler.disable``,
+as FSDP2's hooks): dynamo compiles each module's ``forward`` frame with the
+gathered parameters in place and never traces a swap, a collective or a record
+update, so it neither breaks its graph on them nor specialises on a parameter.
 """
 
 from __future__ import annotations
@@ -71,8 +76,10 @@ class ForwardHooks:
         root = group.root
         if group.is_root and root is not None:
             root.start_iteration()
-            for member in root.groups:  # every group, before any of the model's compute
-                member.check_materialized()
+            if not root.materialized:  # every group, before any of the model's compute
+                for member in root.groups:
+                    member.check_materialized()
+                root.materialized = True
         group.phase = Phase.FORWARD
         group.unshard()
         group.update(_count_forward)
