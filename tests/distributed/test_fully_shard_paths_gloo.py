@@ -235,12 +235,36 @@ def _meta(rank: int, mesh: DeviceMesh) -> Results:
 # ----------------------------------------------------------------- torch.compile
 
 
-def _compiled(rank: int, mesh: DeviceMesh, apply: Shard_) -> Results:
-    """Three compiled SGD steps: losses, graphs, graph breaks, frames after steps 1 and 3."""
+#: The compiled variants: the whole model; each block's ``compile()`` (after sharding it);
+#: the whole model with bfloat16 mixed precision and parameters kept after forward.
+COMPILE_VARIANTS = ("model", "blocks", "mixed")
+
+
+def _compile_options(variant: str, ours: bool) -> dict[str, Any]:
+    if variant != "mixed":
+        return {}
+    if ours:
+        return {
+            "param_dtype": torch.bfloat16,
+            "reduce_dtype": torch.float32,
+            "reshard_after_forward": False,
+        }
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return {"mp_policy": policy, "reshard_after_forward": False}
+
+
+def _compiled(rank: int, mesh: DeviceMesh, apply: Shard_, variant: str) -> Results:
+    """Three compiled SGD steps: losses, then graphs, graph breaks and frames after each step."""
     torch._dynamo.reset()
     counters.clear()
-    model = _shard(gpt(), apply, mesh)
-    compiled = torch.compile(model, backend="eager")
+    model = gpt()
+    options = _compile_options(variant, apply is fully_shard)
+    for block in model.blocks:
+        apply(block, mesh=mesh, **options)
+        if variant == "blocks":
+            block.compile(backend="eager")
+    apply(model, mesh=mesh, **options)
+    compiled = model if variant == "blocks" else torch.compile(model, backend="eager")
     assert isinstance(compiled, nn.Module)  # an OptimizedModule
     optimizer = _optimizer("sgd", model)
     losses: list[float] = []
@@ -263,11 +287,13 @@ def _compiled(rank: int, mesh: DeviceMesh, apply: Shard_) -> Results:
 
 
 def _compile(rank: int, mesh: DeviceMesh) -> Results:
-    found: Results = {"ours": _compiled(rank, mesh, fully_shard)}
-    eager = _shard(gpt(), fully_shard, mesh)
-    found["eager"] = _train(rank, eager, "sgd", range(3))[0]
-    if REFERENCE_FULLY_SHARD_ON_CPU:
-        found["theirs"] = _compiled(rank, mesh, torch_fully_shard)
+    found: Results = {}
+    for variant in COMPILE_VARIANTS:
+        found[f"ours_{variant}"] = _compiled(rank, mesh, fully_shard, variant)
+        eager = _shard(gpt(), fully_shard, mesh, **_compile_options(variant, ours=True))
+        found[f"eager_{variant}"] = _train(rank, eager, "sgd", range(3))[0]
+        if REFERENCE_FULLY_SHARD_ON_CPU:
+            found[f"theirs_{variant}"] = _compiled(rank, mesh, torch_fully_shard, variant)
     return found
 
 
@@ -399,25 +425,32 @@ def test_a_materialized_meta_model_trains_as_torch_fully_shard(ranks: list[Resul
 # ----------------------------------------------------------------- torch.compile
 
 
-def test_compiled_model_has_the_eager_losses(ranks: list[Results]) -> None:
+@pytest.mark.parametrize("variant", COMPILE_VARIANTS)
+def test_compiled_model_has_the_eager_losses(ranks: list[Results], variant: str) -> None:
     for found in _each(ranks, "compile"):
-        assert found["ours"]["losses"] == found["eager"]
+        assert found[f"ours_{variant}"]["losses"] == found[f"eager_{variant}"]
 
 
-def test_compiled_model_compiles_once_without_graph_breaks(ranks: list[Results]) -> None:
+@pytest.mark.parametrize("variant", COMPILE_VARIANTS)
+def test_compiled_model_compiles_once_without_graph_breaks(
+    ranks: list[Results], variant: str
+) -> None:
     """One graph (the blocks' forward: the hooks run outside the graph), no break, and
     nothing compiled after the first step: no recompiles, as the parameters change."""
     for found in _each(ranks, "compile"):
-        counts = found["ours"]["counts"]
+        counts = found[f"ours_{variant}"]["counts"]
         assert counts[0][:2] == (1, 0)
         assert counts[0] == counts[1] == counts[2]  # a recompile would compile a frame again
 
 
 @needs_reference
-def test_compiled_model_matches_torch_fully_shard_compiled(ranks: list[Results]) -> None:
+@pytest.mark.parametrize("variant", COMPILE_VARIANTS)
+def test_compiled_model_matches_torch_fully_shard_compiled(
+    ranks: list[Results], variant: str
+) -> None:
     """Same losses; no more graphs, graph breaks or compiled frames than FSDP2."""
     for found in _each(ranks, "compile"):
-        ours, theirs = found["ours"], found["theirs"]
+        ours, theirs = found[f"ours_{variant}"], found[f"theirs_{variant}"]
         assert ours["losses"] == theirs["losses"]
         graphs, breaks, frames = ours["counts"][-1]
         their_graphs, their_breaks, their_frames = theirs["counts"][-1]
