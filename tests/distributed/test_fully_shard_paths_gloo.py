@@ -9,6 +9,8 @@ One job runs every scenario; each test asserts one behaviour on its results.
 
 from __future__ import annotations
 
+import copy
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -297,12 +299,32 @@ def _compile(rank: int, mesh: DeviceMesh) -> Results:
     return found
 
 
+# ----------------------------------------------------------------- copies
+
+
+def _copies(rank: int, mesh: DeviceMesh) -> Results:
+    """A deep copy and a pickle of a trained sharded model: state dicts save and load."""
+    model = _shard(gpt(), fully_shard, mesh)
+    _train(rank, model, "sgd", range(1))
+    found: Results = {}
+    for name, copied in (
+        ("deepcopy", copy.deepcopy(model)),
+        ("pickle", pickle.loads(pickle.dumps(model))),
+    ):
+        saved = copied.state_dict()
+        found[f"{name}_keys"] = list(saved) == list(model.state_dict())
+        found[f"{name}_shards"] = all(isinstance(value, DTensor) for value in saved.values())
+        copied.load_state_dict(model.state_dict())
+        found[f"{name}_gap"] = largest_gap(full_parameters(copied), full_parameters(model))
+    return found
+
+
 # ----------------------------------------------------------------- the job
 
 
 def _job(rank: int, world_size: int) -> Results:
     mesh = init_device_mesh("cpu", (world_size,))
-    results: Results = {"compile": _compile(rank, mesh)}
+    results: Results = {"compile": _compile(rank, mesh), "copies": _copies(rank, mesh)}
     if REFERENCE_FULLY_SHARD_ON_CPU:
         results["bfloat16"] = _cast_before_training(rank, mesh, _to_bfloat16, "adam")
         results["half"] = _cast_before_training(rank, mesh, nn.Module.half, "sgd")
@@ -457,3 +479,17 @@ def test_compiled_model_matches_torch_fully_shard_compiled(
         assert graphs <= their_graphs
         assert breaks <= their_breaks
         assert frames <= their_frames
+
+
+# ----------------------------------------------------------------- copies
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_a_sharded_model_saves_and_loads_its_state_dict(
+    ranks: list[Results], how: str
+) -> None:
+    """The copy's hooks hold no group and stand aside: its shards are saved and loaded."""
+    for found in _each(ranks, "copies"):
+        assert found[f"{how}_keys"]
+        assert found[f"{how}_shards"]
+        assert found[f"{how}_gap"] == 0.0

@@ -32,28 +32,35 @@ from .. import _torch
 from ._group import ALL_GROUPS, ParamGroup, Phase, Root
 from ._state import FullyShardState
 
-__all__ = ["ForwardHooks", "InertHooks"]
+__all__ = ["ForwardHooks"]
 
 _Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
 
 class ForwardHooks:
-    """The forward pre-hook and forward hook of one application; they hold only its group."""
+    """The forward pre-hook and forward hook of one application; they hold only its group.
+
+    A deep copy or pickle of the model gets hooks without a group, which do
+    nothing: the copy's parameters are its own, and a process group does not copy.
+    (``copy.deepcopy`` copies a bound method as its function bound to a copy of
+    its ``self``, so the copy must be of this class.)
+    """
 
     __slots__ = ("group", "param_dtype")
 
-    def __init__(self, group: ParamGroup, param_dtype: torch.dtype | None) -> None:
+    def __init__(self, group: ParamGroup | None, param_dtype: torch.dtype | None) -> None:
         self.group = group
         self.param_dtype = param_dtype
 
-    def __reduce__(self) -> tuple[type[InertHooks], tuple[()]]:
-        # A deep copy or pickle of the model gets hooks that do nothing: the copy's
-        # parameters are its own, and the group (a process group) does not copy.
-        return InertHooks, ()
+    def __reduce__(self) -> tuple[type[ForwardHooks], tuple[None, None]]:
+        return ForwardHooks, (None, None)
 
-    def _acts_on(self, module: nn.Module) -> bool:
-        # A deep copy inherits these hooks; they act only for the modules applied to.
-        return id(module) in self.group.module_ids and self.group.record() is not None
+    def _group_for(self, module: nn.Module) -> ParamGroup | None:
+        """The group, if these hooks act for ``module``: only the modules applied to, live."""
+        group = self.group
+        if group is None or id(module) not in group.module_ids or group.record() is None:
+            return None
+        return group
 
     @_torch.outside_compile
     def before(
@@ -64,9 +71,9 @@ class ForwardHooks:
         Both hooks run outside ``torch.compile``, as FSDP2's: parameter swaps and
         collectives are not traced, only the module's compute.
         """
-        if not self._acts_on(module):
+        group = self._group_for(module)
+        if group is None:
             return None
-        group = self.group
         args, kwargs = self._cast((args, kwargs))
         if _in_backward():  # a checkpoint recomputing the forward: gathered by pre-backward
             group.unshard()
@@ -90,9 +97,9 @@ class ForwardHooks:
     @_torch.outside_compile
     def after(self, module: nn.Module, args: tuple[Any, ...], output: object) -> object:
         """Forward hook: reshard (unless root), hook the outputs for the pre-backward."""
-        if not self._acts_on(module) or _in_backward():
+        group = self._group_for(module)
+        if group is None or _in_backward():
             return None
-        group = self.group
         if group.reshards_after_forward:
             group.reshard()
         group.phase = Phase.IDLE
@@ -114,22 +121,6 @@ class ForwardHooks:
         ]
         args, kwargs = pytree.tree_unflatten(cast_leaves, spec)
         return cast(tuple[Any, ...], args), cast(dict[str, Any], kwargs)
-
-
-class InertHooks:
-    """What the hooks of ``fully_shard`` become in a copy of the model: no-ops."""
-
-    def before(self, *args: object) -> None:
-        return None
-
-    def after(self, *args: object) -> None:
-        return None
-
-    def reshard(self, *args: object) -> None:
-        return None
-
-    def adopt(self, *args: object) -> None:
-        return None
 
 
 def _in_backward() -> bool:
