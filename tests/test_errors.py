@@ -25,6 +25,7 @@ from torchcontract import (
     NotAppliedError,
     RulePredicateError,
     UnknownTorchAPIError,
+    UnmaterializedParameterError,
     contract,
 )
 
@@ -47,6 +48,7 @@ from torchcontract import (
         (ArgumentBindingError, (ContractError, TypeError)),
         (RulePredicateError, (ContractError,)),
         (UnknownTorchAPIError, (ValueError,)),
+        (UnmaterializedParameterError, (ContractError,)),
     ],
 )
 def test_error_has_its_documented_bases(error: type[Exception], bases: tuple[type, ...]) -> None:
@@ -72,6 +74,7 @@ def test_every_error_is_exported() -> None:
             "NotAppliedError",
             "RulePredicateError",
             "UnknownTorchAPIError",
+            "UnmaterializedParameterError",
         ]
     )
 

@@ -29,6 +29,7 @@ from ._errors import (
     NotAppliedError,
     RulePredicateError,
     UnknownTorchAPIError,
+    UnmaterializedParameterError,
 )
 from ._export import exported_from
 from ._fqn import FQNSnapshot, take_snapshot
@@ -74,6 +75,7 @@ __all__ = [
     "StateStore",
     "TorchAPIName",
     "UnknownTorchAPIError",
+    "UnmaterializedParameterError",
     "contract",
     "describe",
     "exported_from",

@@ -22,6 +22,7 @@ __all__ = [
     "NotAppliedError",
     "RulePredicateError",
     "UnknownTorchAPIError",
+    "UnmaterializedParameterError",
 ]
 
 
@@ -83,6 +84,10 @@ class ArgumentBindingError(ContractError, TypeError):
 
 class RulePredicateError(ContractError):
     """A rule's ``when=`` predicate raised, e.g. reading an argument the API does not have."""
+
+
+class UnmaterializedParameterError(ContractError):
+    """A module ran forward with parameters still on the meta device (never materialized)."""
 
 
 class UnknownTorchAPIError(ValueError):

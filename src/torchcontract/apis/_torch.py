@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Final, cast
+from typing import Any, Final, ParamSpec, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ __all__ = [
     "infer_device_type",
     "manual_seed",
     "optimizer_step",
+    "outside_compile",
     "queue_callback",
     "reduce_scatter_average",
     "register_load_state_dict_post_hook",
@@ -45,6 +46,7 @@ __all__ = [
     "register_state_dict_pre_hook",
     "register_tensor_hook",
     "set_device_states",
+    "swap_tensors",
     "to_bools",
     "to_ints",
 ]
@@ -80,6 +82,25 @@ def device_module_initialized(device_type: str) -> bool:
     """Whether the accelerator runtime of ``device_type`` is initialized (never for cpu)."""
     return bool(getattr(_get_device_module(device_type), "_initialized", False))
 
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+_compiler_disable: Final = cast(Callable[..., Callable[..., Any]], torch.compiler.disable)
+
+
+def outside_compile(function: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``function``, never traced by ``torch.compile``, nor anything it calls.
+
+    Its frame runs eagerly, as FSDP2's hooks do (``torch._dynamo.disable``): a
+    module hook decorated so runs its parameter swaps and collectives outside the
+    graph, and dynamo compiles the module's ``forward`` frame on its own.
+    """
+    return cast(Callable[_P, _R], _compiler_disable(function, recursive=True))
+
+
+#: ``swap_tensors(a, b)``: exchange two tensors' contents, keeping each Python object.
+swap_tensors: Final = cast(Callable[[Tensor, Tensor], None], torch.utils.swap_tensors)
 
 _all_reduce: Final = cast(Callable[..., dist.Work], dist.all_reduce)
 _broadcast: Final = cast(Callable[..., dist.Work | None], dist.broadcast)

@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from torchcontract import UnmaterializedParameterError
+from torchcontract._describe import module_label
+
 from .. import _torch
 from ._collectives import all_gather, reduce_scatter
 from ._sharding import ManagedParameter
@@ -53,6 +56,8 @@ class Root:
     def __init__(self, groups: Sequence[ParamGroup]) -> None:
         self._groups = tuple(weakref.ref(group) for group in groups)
         self.callback_queued = False
+        # Whether every group's shards were found off the meta device (checked until they are).
+        self.materialized = False
 
     @property
     def groups(self) -> list[ParamGroup]:
@@ -111,18 +116,46 @@ class ParamGroup:
 
     # ----------------------------------------------------------------- sharding
 
+    def check_materialized(self) -> None:
+        """Raise ``UnmaterializedParameterError`` if a shard is still on the meta device."""
+        on_meta = [parameter.fqn for parameter in self.parameters if parameter.is_meta]
+        if not on_meta:
+            return
+        modules = self.modules()
+        where = module_label(modules[0]) if modules else "a freed module"
+        shown = ", ".join(repr(fqn) for fqn in on_meta[:3])
+        more = f" and {len(on_meta) - 3} more" if len(on_meta) > 3 else ""
+        raise UnmaterializedParameterError(
+            f"fully_shard on {where}: {len(on_meta)} parameter(s) still on the meta device "
+            f"({shown}{more}); materialize them before the first forward: call "
+            "model.to_empty(device=...), then initialize them (reset_parameters() or your init)"
+        )
+
     def unshard(self) -> None:
-        """All-gather the parameters and register the unsharded ones (no-op if unsharded)."""
+        """All-gather the parameters and register the unsharded ones (no-op if unsharded).
+
+        Raises ``UnmaterializedParameterError``, before any collective, if a shard
+        is still on the meta device.
+        """
         if not self.unsharded:
+            self.check_materialized()
             all_gather(self.parameters, self.process_group)
             self.unsharded = True
+        else:
+            self.follow_cast()
 
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded storage."""
         if self.unsharded:
+            self.follow_cast()
             for parameter in self.parameters:
                 parameter.reshard()
             self.unsharded = False
+
+    def follow_cast(self) -> None:
+        """Give the shards the dtype the model was cast to while unsharded, if it was."""
+        for parameter in self.parameters:
+            parameter.follow_cast()
 
     @property
     def reshards_after_forward(self) -> bool:

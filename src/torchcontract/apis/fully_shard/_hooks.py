@@ -8,6 +8,11 @@ to them, and so the module's parameter gradients, is computed (PyTorch's
 hook the outputs so that their gradient gathers the parameters again first.
 A forward run inside backward (a checkpoint recomputing it) only makes sure the
 parameters are gathered.
+
+Under ``torch.compile`` both forward hooks run eagerly (``torch.compiler.disable``,
+as FSDP2's hooks): dynamo compiles each module's ``forward`` frame with the
+gathered parameters in place and never traces a swap, a collective or a record
+update, so it neither breaks its graph on them nor specialises on a parameter.
 """
 
 from __future__ import annotations
@@ -26,36 +31,48 @@ from .. import _torch
 from ._group import ALL_GROUPS, ParamGroup, Phase, Root
 from ._state import FullyShardState
 
-__all__ = ["ForwardHooks", "InertHooks"]
+__all__ = ["ForwardHooks"]
 
 _Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
 
 class ForwardHooks:
-    """The forward pre-hook and forward hook of one application; they hold only its group."""
+    """The forward pre-hook and forward hook of one application; they hold only its group.
+
+    A deep copy or pickle of the model gets hooks without a group, which do
+    nothing: the copy's parameters are its own, and a process group does not copy.
+    (``copy.deepcopy`` copies a bound method as its function bound to a copy of
+    its ``self``, so the copy must be of this class.)
+    """
 
     __slots__ = ("group", "param_dtype")
 
-    def __init__(self, group: ParamGroup, param_dtype: torch.dtype | None) -> None:
+    def __init__(self, group: ParamGroup | None, param_dtype: torch.dtype | None) -> None:
         self.group = group
         self.param_dtype = param_dtype
 
-    def __reduce__(self) -> tuple[type[InertHooks], tuple[()]]:
-        # A deep copy or pickle of the model gets hooks that do nothing: the copy's
-        # parameters are its own, and the group (a process group) does not copy.
-        return InertHooks, ()
+    def __reduce__(self) -> tuple[type[ForwardHooks], tuple[None, None]]:
+        return ForwardHooks, (None, None)
 
-    def _acts_on(self, module: nn.Module) -> bool:
-        # A deep copy inherits these hooks; they act only for the modules applied to.
-        return id(module) in self.group.module_ids and self.group.record() is not None
+    def _group_for(self, module: nn.Module) -> ParamGroup | None:
+        """The group, if these hooks act for ``module``: only the modules applied to, live."""
+        group = self.group
+        if group is None or id(module) not in group.module_ids or group.record() is None:
+            return None
+        return group
 
+    @_torch.outside_compile
     def before(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> _Inputs | None:
-        """Forward pre-hook: gather the parameters; wrap the inputs for the post-backward."""
-        if not self._acts_on(module):
+        """Forward pre-hook: gather the parameters; wrap the inputs for the post-backward.
+
+        Both hooks run outside ``torch.compile``, as FSDP2's: parameter swaps and
+        collectives are not traced, only the module's compute.
+        """
+        group = self._group_for(module)
+        if group is None:
             return None
-        group = self.group
         args, kwargs = self._cast((args, kwargs))
         if _in_backward():  # a checkpoint recomputing the forward: gathered by pre-backward
             group.unshard()
@@ -65,6 +82,10 @@ class ForwardHooks:
         root = group.root
         if group.is_root and root is not None:
             root.start_iteration()
+            if not root.materialized:  # every group, before any of the model's compute
+                for member in root.groups:
+                    member.check_materialized()
+                root.materialized = True
         group.phase = Phase.FORWARD
         group.unshard()
         group.update(_count_forward)
@@ -72,11 +93,12 @@ class ForwardHooks:
             args, kwargs = _with_post_backward(group, args, kwargs)
         return args, kwargs
 
+    @_torch.outside_compile
     def after(self, module: nn.Module, args: tuple[Any, ...], output: object) -> object:
         """Forward hook: reshard (unless root), hook the outputs for the pre-backward."""
-        if not self._acts_on(module) or _in_backward():
+        group = self._group_for(module)
+        if group is None or _in_backward():
             return None
-        group = self.group
         if group.reshards_after_forward:
             group.reshard()
         group.phase = Phase.IDLE
@@ -98,22 +120,6 @@ class ForwardHooks:
         ]
         args, kwargs = pytree.tree_unflatten(cast_leaves, spec)
         return cast(tuple[Any, ...], args), cast(dict[str, Any], kwargs)
-
-
-class InertHooks:
-    """What the hooks of ``fully_shard`` become in a copy of the model: no-ops."""
-
-    def before(self, *args: object) -> None:
-        return None
-
-    def after(self, *args: object) -> None:
-        return None
-
-    def reshard(self, *args: object) -> None:
-        return None
-
-    def adopt(self, *args: object) -> None:
-        return None
 
 
 def _in_backward() -> bool:

@@ -10,6 +10,11 @@ the first all-gather and kept: autograd's graph refers to it between forward and
 backward. Resharding frees its storage (``resize_(0)``) and unsharding
 reallocates and refills it in place, preserving its version counter, so tensors
 saved for backward stay valid; this is how ``FSDPParam`` does it.
+
+Dtypes are read from the sharded parameter at each gather, not recorded at
+apply: ``model.to(torch.bfloat16)`` or ``model.half()`` after sharding casts the
+shards (``nn.Module._apply`` swaps a DTensor parameter's contents in place), and
+the next gather makes an unsharded parameter, and its gradient, of the new dtype.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from torch import Tensor, nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+
+from .. import _torch
 
 __all__ = ["Location", "ManagedParameter", "as_dtensor"]
 
@@ -48,9 +55,9 @@ class ManagedParameter:
         self.world = mesh.size()
         self.rank = mesh.get_local_rank()
         self.shape = parameter.shape
-        self.orig_dtype = parameter.dtype
+        # The mixed-precision dtype of the gathered parameter; None: the parameter's own.
         floating = parameter.dtype.is_floating_point
-        self.param_dtype = param_dtype if floating and param_dtype is not None else parameter.dtype
+        self.mixed_dtype = param_dtype if floating else None
         self.rows = parameter.shape[0]
         self.row_numel = math.prod(parameter.shape[1:])
         self.chunk_rows = -(-self.rows // self.world)  # ceil
@@ -72,6 +79,21 @@ class ManagedParameter:
         self.unsharded: nn.Parameter | None = None
         # Gradients kept unreduced (no_sync) in the reduce dtype, when it differs.
         self._accumulated: Tensor | None = None
+
+    @property
+    def orig_dtype(self) -> torch.dtype:
+        """The dtype of the sharded parameter, its gradient and the optimizer's view of it."""
+        return self.sharded.dtype
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype of the gathered parameter: ``param_dtype`` if given, else the shard's."""
+        return self.orig_dtype if self.mixed_dtype is None else self.mixed_dtype
+
+    @property
+    def is_meta(self) -> bool:
+        """Whether the shard is still on the meta device (never materialized)."""
+        return self.sharded.is_meta
 
     # ----------------------------------------------------------------- placement
 
@@ -114,9 +136,14 @@ class ManagedParameter:
 
     def unshard_from(self, gathered: Tensor) -> None:
         """Fill the unsharded parameter from its ``(world, padded_shard_numel)`` gathered slice."""
-        if self._gathered is None:
+        if (
+            self._gathered is None
+            or self._gathered.dtype != gathered.dtype
+            or self._gathered.device != gathered.device
+        ):
+            # First gather, or the model was cast or moved since: a new unsharded parameter.
             self._gathered = torch.empty(
-                self.world * self.padded_shard_numel, dtype=self.param_dtype, device=gathered.device
+                self.world * self.padded_shard_numel, dtype=gathered.dtype, device=gathered.device
             )
             unsharded = self._gathered[: self.rows * self.row_numel].view(self.shape)
             self.unsharded = nn.Parameter(unsharded, requires_grad=self.sharded.requires_grad)
@@ -131,6 +158,29 @@ class ManagedParameter:
         with torch.no_grad(), _unsafe_preserve_version_counter(self._gathered):
             self._gathered.view(self.world, -1).copy_(gathered)
         self.install(self.unsharded)
+
+    def follow_cast(self) -> None:
+        """Cast the shard as the model was cast while this parameter was unsharded.
+
+        ``model.to(dtype)`` while unsharded (a root between a forward without
+        gradients and the next one, or after ``unshard``) replaced the unsharded
+        parameter's data and left the shard, which no module held, as it was;
+        FSDP2 reshards before a cast, so the shard takes the new dtype too.
+        """
+        unsharded, gathered = self.unsharded, self._gathered
+        if unsharded is None or gathered is None or unsharded.dtype == gathered.dtype:
+            return
+        sharded = self.sharded
+        grad, sharded.grad = sharded.grad, None
+        with torch.no_grad():
+            converted = nn.Parameter(
+                sharded.detach().to(unsharded.dtype), requires_grad=sharded.requires_grad
+            )
+        _torch.swap_tensors(sharded, converted)
+        if grad is not None:
+            sharded.grad = grad.to(unsharded.dtype)
+        # The unsharded parameter holds its own data now; the next gather makes new ones.
+        self._gathered = None
 
     def reshard(self) -> None:
         """Register the sharded parameter again and free the unsharded storage."""

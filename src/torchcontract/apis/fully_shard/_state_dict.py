@@ -16,29 +16,37 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import _torch
 from ._group import ParamGroup
-from ._hooks import InertHooks
 
 __all__ = ["register_state_dict_hooks"]
 
 
 class _StateDictHooks:
-    """The hooks of one application; like the forward hooks, they hold only its group."""
+    """The hooks of one application; like the forward hooks, they hold only its group.
+
+    A deep copy or pickle of the model gets hooks without a group, which do nothing.
+    """
 
     __slots__ = ("group",)
 
-    def __init__(self, group: ParamGroup) -> None:
+    def __init__(self, group: ParamGroup | None) -> None:
         self.group = group
 
-    def __reduce__(self) -> tuple[type[InertHooks], tuple[()]]:
-        return InertHooks, ()
+    def __reduce__(self) -> tuple[type[_StateDictHooks], tuple[None]]:
+        return _StateDictHooks, (None,)
+
+    def _group_for(self, module: nn.Module) -> ParamGroup | None:
+        group = self.group
+        if group is None or id(module) not in group.module_ids or group.record() is None:
+            return None
+        return group
 
     def reshard(self, module: nn.Module, *args: object) -> None:
-        if id(module) in self.group.module_ids and self.group.record() is not None:
-            self.group.reshard()
+        if (group := self._group_for(module)) is not None:
+            group.reshard()
 
     def adopt(self, module: nn.Module, *args: object) -> None:
-        if id(module) in self.group.module_ids and self.group.record() is not None:
-            for parameter in self.group.parameters:
+        if (group := self._group_for(module)) is not None:
+            for parameter in group.parameters:
                 parameter.adopt_registered()
 
 
