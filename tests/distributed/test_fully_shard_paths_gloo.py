@@ -34,8 +34,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from torchcontract import UnmaterializedParameterError
-from torchcontract._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.apis import fully_shard, unshard
+from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.testing import run_distributed
 
 needs_reference = pytest.mark.skipif(

@@ -23,8 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from torchcontract import UnmaterializedParameterError
-from torchcontract._describe import module_label
+from torchcontract import UnmaterializedParameterError, module_label
 
 from .. import _torch
 from ._collectives import all_gather, reduce_scatter
