@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._C._distributed_c10d import GradBucket
 from torch.nn.parallel import DistributedDataParallel
 
 from torchcontract.apis import _torch, no_sync, rank_local, replicate
@@ -73,41 +74,42 @@ class DDPRecorder:
         self._names = {id(parameter): name for name, parameter in ddp.module.named_parameters()}
         ddp.register_comm_hook(self, _recording_hook)
 
-    def record(self, bucket: dist.GradBucket) -> None:
+    def record(self, bucket: GradBucket) -> None:
         names = tuple(sorted(self._names[id(parameter)] for parameter in bucket.parameters()))
         self.buckets.append((names, bucket.buffer().numel()))
 
     @contextlib.contextmanager
     def counting_broadcasts(self) -> Iterator[None]:
-        coalesced: Callable[..., None] = dist._broadcast_coalesced
+        coalesced: Callable[..., None] = getattr(dist, "_broadcast_coalesced")  # noqa: B009
 
         def counted(*args: Any, **kwargs: Any) -> None:
             self.broadcasts += 1
             coalesced(*args, **kwargs)
 
-        dist._broadcast_coalesced = counted
+        setattr(dist, "_broadcast_coalesced", counted)  # noqa: B010 (private to mypy)
         try:
             yield
         finally:
-            dist._broadcast_coalesced = coalesced
+            setattr(dist, "_broadcast_coalesced", coalesced)  # noqa: B010
 
     def take(self) -> list[tuple[tuple[str, ...], int]]:
         taken, self.buckets = self.buckets, []
         return taken
 
 
-def _recording_hook(state: DDPRecorder, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+def _recording_hook(state: DDPRecorder, bucket: GradBucket) -> torch.futures.Future[Tensor]:
     """DDP's default all-reduce hook (an average), recording the bucket first."""
     state.record(bucket)
     buffer = bucket.buffer().div_(WORLD_SIZE)
     work = dist.all_reduce(buffer, async_op=True)
     assert work is not None
-    return work.get_future().then(lambda future: future.value()[0])
+    future: torch.futures.Future[list[Tensor]] = work.get_future()
+    return future.then(lambda done: done.value()[0])
 
 
 # DDP checks the hook's annotations as objects; this module's are strings (PEP 563).
 _recording_hook.__annotations__.update(
-    bucket=dist.GradBucket, state=DDPRecorder, **{"return": torch.futures.Future[Tensor]}
+    bucket=GradBucket, state=DDPRecorder, **{"return": torch.futures.Future[Tensor]}
 )
 
 

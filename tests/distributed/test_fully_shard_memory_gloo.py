@@ -177,7 +177,7 @@ class _FailOnce(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.armed:
             return x
-        return cast(Tensor, _Raise.apply(x))
+        return _raise(x)
 
 
 class _Raise(torch.autograd.Function):
@@ -188,6 +188,9 @@ class _Raise(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         raise RuntimeError("the backward failed midway")
+
+
+_raise: Final = cast(Callable[[Tensor], Tensor], _Raise.apply)
 
 
 def _after_failed_backward(rank: int, mesh: DeviceMesh) -> tuple[bool, float, float]:
