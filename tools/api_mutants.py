@@ -361,12 +361,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     rows: list[tuple[Mutant, str, float]] = []
     with tempfile.TemporaryDirectory(prefix="api_mutants_") as scratch:
+        # The tests must pass on the unmutated copy, or a failure would prove nothing.
+        baseline = Path(scratch, "baseline")
+        _copy_tree(baseline)
+        if not _imports_the_copy(baseline):
+            print("api_mutants: the tests would not import the copy; is PYTHONPATH honoured?")
+            return 1
+        files = sorted({test for mutant in chosen for test in mutant.tests})
+        outcome, seconds = run_tests(files, baseline)
+        print(f"baseline ({len(files)} files): {outcome} ({seconds:.0f} s)", flush=True)
+        if outcome != "passed":
+            print("api_mutants: the tests fail without a mutant; fix them first")
+            return 1
+        shutil.rmtree(baseline, ignore_errors=True)
         for mutant in chosen:
             copy = Path(scratch, mutant.name)
             _copy_tree(copy)
-            if not _imports_the_copy(copy):
-                print("api_mutants: the tests would not import the copy; is PYTHONPATH honoured?")
-                return 1
             _apply(mutant, copy / PACKAGE)
             outcome, seconds = run_tests(mutant.tests, copy)
             verdict = "survived" if outcome == "passed" else "killed"
@@ -380,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Written by `make mutate-apis` (`tools/api_mutants.py`, where each mutant's snippet",
         "and replacement are listed). Each mutant is applied alone to a temporary copy of",
         "the source; its test files run there with `pytest -x`; a failure or a",
-        f"{TIMEOUT} s timeout kills it.",
+        f"{TIMEOUT} s timeout kills it. The same files pass first on an unmutated copy.",
         "",
         f"**{killed} of {len(rows)} killed.**",
         "",
