@@ -38,45 +38,59 @@ class Manager(NamedTuple):
     original: bool
 
 
-class _Entry(NamedTuple):
+class _Location(NamedTuple):
+    """A place a group registers one of its parameters: ``module._parameters[name]``."""
+
     group: weakref.ref[ParamGroup]
     parameter: weakref.ref[ManagedParameter]
-    module: weakref.ref[nn.Module] | None  # for a location key: the module registering it
+    module: weakref.ref[nn.Module]
+
+
+class _Original(NamedTuple):
+    """An original parameter; its reference is keyed by the id, to forget the entry at its end."""
+
+    group: weakref.ref[ParamGroup]
+    tensor: weakref.KeyedRef[int, nn.Parameter]
 
 
 class _Keys(NamedTuple):
     """What one group added, to take out again when it is rolled back or freed."""
 
     group: weakref.ref[ParamGroup]  # the reference the entries hold, with the freeing callback
-    locations: list[tuple[tuple[int, str], _Entry]]
-    originals: list[tuple[int, _Entry]]
+    locations: list[tuple[tuple[int, str], _Location]]
+    originals: list[_Original]
     modules: list[int]
 
 
 class ManagedIndex:
     """Managed parameters by where they are registered and by original; groups by module.
 
+    An original parameter that nothing else holds (the usual case: only the
+    modules the group took it from did) is forgotten as soon as it is freed.
+
     Thread safety: lookups read dicts without a lock (each read is atomic);
-    ``add`` and ``remove`` take a lock. A group freed while another thread holds
-    it is forgotten at the next ``add`` or ``remove``; until then its entries only
-    miss, since every lookup checks that the group is alive.
+    ``add`` and ``remove`` take a lock. What is freed while another thread holds
+    the lock is forgotten at the next ``add`` or ``remove``; until then its
+    entries only miss, since every lookup checks identity and liveness.
     """
 
     def __init__(self) -> None:
-        self._at: dict[tuple[int, str], _Entry] = {}
-        self._originals: dict[int, _Entry] = {}
+        self._at: dict[tuple[int, str], _Location] = {}
+        self._originals: dict[int, _Original] = {}
         self._groups: dict[int, weakref.ref[ParamGroup]] = {}
         self._added: dict[weakref.ref[ParamGroup], _Keys] = {}
-        self._freed: list[weakref.ref[ParamGroup]] = []
+        # Freed since the last purge: groups, and originals' references (appended by callbacks).
+        self._freed_groups: list[weakref.ref[ParamGroup]] = []
+        self._freed_originals: list[weakref.KeyedRef[int, nn.Parameter]] = []
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        """The parameters indexed: one per location and one per original."""
+        """The entries held: one per location of a managed parameter, one per live original."""
         return len(self._at) + len(self._originals)
 
     def add(self, group: ParamGroup) -> None:
-        """Index ``group``'s parameters and modules; it is forgotten when freed."""
-        ref = weakref.ref(group, self._on_freed)
+        """Index ``group``'s parameters and modules; each is forgotten when freed."""
+        ref = weakref.ref(group, self._on_group_freed)
         keys = _Keys(ref, [], [], [])
         for parameter in group.parameters:
             parameter_ref = weakref.ref(parameter)
@@ -84,17 +98,19 @@ class ManagedIndex:
                 module = module_ref()
                 if module is not None:
                     keys.locations.append(
-                        ((id(module), name), _Entry(ref, parameter_ref, module_ref))
+                        ((id(module), name), _Location(ref, parameter_ref, module_ref))
                     )
             original = parameter.original()
             if original is not None:
-                keys.originals.append((id(original), _Entry(ref, parameter_ref, None)))
+                tensor = weakref.KeyedRef(original, self._on_original_freed, id(original))
+                keys.originals.append(_Original(ref, tensor))
         keys.modules.extend(id(module) for module in group.modules())
         with self._lock:
             self._purge()
             self._added[ref] = keys
             self._at.update(keys.locations)
-            self._originals.update(keys.originals)
+            for entry in keys.originals:
+                self._originals[entry.tensor.key] = entry
             for module_id in keys.modules:
                 self._groups[module_id] = ref
 
@@ -108,19 +124,19 @@ class ManagedIndex:
 
     def manager(self, module: nn.Module, name: str, parameter: Tensor) -> Manager | None:
         """The live group managing ``parameter``, registered as ``module._parameters[name]``."""
-        entry = self._at.get((id(module), name))
-        if entry is not None and entry.module is not None and entry.module() is module:
-            group, managed = entry.group(), entry.parameter()
+        location = self._at.get((id(module), name))
+        if location is not None and location.module() is module:
+            group, managed = location.group(), location.parameter()
             if (
                 group is not None
                 and managed is not None
                 and (parameter is managed.sharded or parameter is managed.unsharded)
             ):
                 return Manager(group, original=False)
-        entry = self._originals.get(id(parameter))
-        if entry is not None:
-            group, managed = entry.group(), entry.parameter()
-            if group is not None and managed is not None and managed.original() is parameter:
+        original = self._originals.get(id(parameter))
+        if original is not None and original.tensor() is parameter:
+            group = original.group()
+            if group is not None:
                 return Manager(group, original=True)
         return None
 
@@ -132,10 +148,18 @@ class ManagedIndex:
             return group
         return None
 
-    def _on_freed(self, ref: weakref.ref[ParamGroup]) -> None:
-        # Runs wherever the last reference to a group goes, maybe in this very thread
-        # inside add() or remove(): never wait for the lock, leave the work to them.
-        self._freed.append(ref)
+    # Callbacks run wherever the last reference goes, maybe in this very thread inside
+    # add() or remove(): they never wait for the lock, and leave the work to its holder.
+
+    def _on_group_freed(self, ref: weakref.ref[ParamGroup]) -> None:
+        self._freed_groups.append(ref)
+        self._try_purge()
+
+    def _on_original_freed(self, ref: weakref.KeyedRef[int, nn.Parameter]) -> None:
+        self._freed_originals.append(ref)
+        self._try_purge()
+
+    def _try_purge(self) -> None:
         if self._lock.acquire(blocking=False):
             try:
                 self._purge()
@@ -143,10 +167,14 @@ class ManagedIndex:
                 self._lock.release()
 
     def _purge(self) -> None:
-        """Forget the groups freed since the last call (the caller holds the lock)."""
-        while self._freed:
-            ref = self._freed.pop()
-            keys = self._added.pop(ref, None)
+        """Forget what was freed since the last call (the caller holds the lock)."""
+        while self._freed_originals:
+            tensor = self._freed_originals.pop()
+            original = self._originals.get(tensor.key)
+            if original is not None and original.tensor is tensor:
+                del self._originals[tensor.key]
+        while self._freed_groups:
+            keys = self._added.pop(self._freed_groups.pop(), None)
             if keys is not None:
                 self._forget(keys)
 
@@ -155,9 +183,9 @@ class ManagedIndex:
         for location, entry in keys.locations:
             if self._at.get(location) is entry:
                 del self._at[location]
-        for original, entry in keys.originals:
-            if self._originals.get(original) is entry:
-                del self._originals[original]
+        for original in keys.originals:
+            if self._originals.get(original.tensor.key) is original:
+                del self._originals[original.tensor.key]
         for module_id in keys.modules:
             if self._groups.get(module_id) is keys.group:
                 del self._groups[module_id]
