@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
@@ -52,6 +53,14 @@ RATIO_TARGETS: Final[dict[tuple[str, int | None], float]] = {
 ALTERNATING_TARGETS: Final = {"replicate": 1.0, "fully_shard": 1.2}
 GROWTH_TARGET: Final = 9.0  # time at 512 blocks over time at 64 blocks, root apply
 GROWTH_FROM, GROWTH_TO = 64, 512
+
+#: fully_shard on every layer then the root of meta-device Llama-7B stacks, 64 fake ranks
+#: (bench_fully_shard_scale.py). Targets: at most torch's time at every size, and growth
+#: from 128 to 1,024 layers within 10% of the growth in modules.
+SCALE_WORKLOAD: Final = "fully_shard per layer then root, meta Llama-7B layers, 64 fake ranks"
+SCALE_RATIO_TARGET: Final = 1.0
+SCALE_GROWTH_FROM, SCALE_GROWTH_TO = 128, 1024
+SCALE_GROWTH_SLACK: Final = 1.1
 
 #: Options of every run: a short time budget per calibrated benchmark. Each file
 #: picks its timer (a ``benchmark`` mark); the table says which rows are wall time.
@@ -110,8 +119,23 @@ def run_suite(selection: Sequence[str]) -> None:
 def load(path: Path) -> tuple[list[Result], dict[str, Any]]:
     """The results in ``path`` and the whole JSON document."""
     document: dict[str, Any] = json.loads(path.read_text())
-    results = [_result(entry) for entry in document["benchmarks"]]
+    results = [
+        result
+        for entry in document["benchmarks"]
+        for result in (_result(entry), _interleaved_torch(entry))
+        if result is not None
+    ]
     return results, document
+
+
+def _interleaved_torch(entry: dict[str, Any]) -> Result | None:
+    """Torch's result timed by hand between the rounds of ours, where a benchmark did so."""
+    info: dict[str, Any] = entry.get("extra_info", {})
+    rounds: list[float] | None = info.get("interleaved_torch_seconds")
+    if not rounds:
+        return None
+    ours = _result(entry)
+    return attrs.evolve(ours, library=TORCH, median=statistics.median(rounds), rounds=len(rounds))
 
 
 def _result(entry: dict[str, Any]) -> Result:
@@ -174,6 +198,8 @@ def time_table(results: Sequence[Result]) -> list[str]:
             per_call += " (wall time)"
         ratio = ours.per_call / theirs.per_call if ours and theirs else None
         target = RATIO_TARGETS.get((workload, blocks))
+        if workload == SCALE_WORKLOAD:
+            target = SCALE_RATIO_TARGET
         others = ", ".join(
             f"{name}: {format_time(result.per_call)}"
             for name, result in by_library.items()
@@ -221,6 +247,35 @@ def growth_table(results: Sequence[Result]) -> list[str]:
         target = _verdict(growth[OURS], GROWTH_TARGET) if workload == "root apply" else ""
         cells = [f"×{growth[name]:.2f}" if name in growth else "" for name in (OURS, TORCH)]
         lines.append(f"| {workload} | {size} | {cells[0]} | {cells[1]} | {target} |")
+    return lines
+
+
+def scale_growth_table(results: Sequence[Result]) -> list[str]:
+    """fully_shard at scale: time at 1,024 layers over time at 128, against module growth."""
+    by_key = {(r.library, r.blocks): r for r in results if r.workload == SCALE_WORKLOAD}
+    small_ours = by_key.get((OURS, SCALE_GROWTH_FROM))
+    large_ours = by_key.get((OURS, SCALE_GROWTH_TO))
+    if not (small_ours and large_ours and small_ours.modules and large_ours.modules):
+        return []
+    modules = large_ours.modules / small_ours.modules
+    target = SCALE_GROWTH_SLACK * modules
+    lines = [
+        f"| workload | modules {SCALE_GROWTH_FROM} → {SCALE_GROWTH_TO} layers | torchcontract "
+        "| torch | target |",
+        "|---|---:|---:|---:|---|",
+    ]
+    cells = []
+    for library in (OURS, TORCH):
+        small, large = (
+            by_key.get((library, SCALE_GROWTH_FROM)),
+            by_key.get((library, SCALE_GROWTH_TO)),
+        )
+        cells.append(f"×{large.median / small.median:.2f}" if small and large else "")
+    growth = large_ours.median / small_ours.median
+    lines.append(
+        f"| {SCALE_WORKLOAD} | ×{modules:.2f} | {cells[0]} | {cells[1]} "
+        f"| {_verdict(growth, target)} (linear ×{modules:.2f}, +10%) |"
+    )
     return lines
 
 
@@ -325,6 +380,20 @@ def markdown(results: Sequence[Result], document: dict[str, Any]) -> str:
         *per_module_table(results),
         "",
     ]
+    scale = scale_growth_table(results)
+    if scale:
+        parts += [
+            f"fully_shard at scale: growth from {SCALE_GROWTH_FROM} to {SCALE_GROWTH_TO} "
+            "layers (fully_shard on every layer, then the root, of a meta-device stack of "
+            "Llama-7B layers, 12 modules and 9 parameters each, under PyTorch's fake process "
+            "group of 64 ranks; torch's rounds alternate with ours; 4,096 layers is one "
+            "round of each):",
+            "",
+            *scale,
+            "",
+            *per_module_table(results, SCALE_WORKLOAD),
+            "",
+        ]
     if memory:
         parts += [
             "Memory (tracemalloc, bytes still allocated after the apply and a full "
@@ -352,7 +421,8 @@ def plot(results: Sequence[Result], path: Path) -> None:
 
     figure, axes = plt.subplots(figsize=(7, 5))
     colours = {OURS: "tab:blue", TORCH: "tab:orange"}
-    for workload, style in (("root apply", "-o"), ("FSDP pattern", "--s"), ("list apply", ":^")):
+    styles = (("root apply", "-o"), ("FSDP pattern", "--s"), ("list apply", ":^"))
+    for workload, style in (*styles, (SCALE_WORKLOAD, "-.d")):
         for library in (OURS, TORCH):
             points = sorted(
                 (r.modules, r.median)

@@ -167,7 +167,8 @@ def _find_parameters(targets: Sequence[nn.Module]) -> list[_Found]:
     and error text only for an error: the cost is linear in the targets' modules
     and parameters, whatever else is sharded.
     """
-    inside: set[int] | None = None  # ids of the targets' modules, if a managed one is found
+    inside: set[int] | None = None  # ids of the targets' modules, once a managed one is found
+    nested: dict[int, bool] = {}  # by group id: whether one of its modules is inside
     found: dict[int, _Found] = {}
     for target in targets:
         for prefix, module in _named_tree(target):
@@ -183,9 +184,13 @@ def _find_parameters(targets: Sequence[nn.Module]) -> list[_Found]:
                             "not contain this module; apply fully_shard to a module containing "
                             "every module that shares the parameter"
                         )
-                    if inside is None:
-                        inside = {id(each) for root in targets for each in root.modules()}
-                    if not any(id(other) in inside for other in manager.group.modules()):
+                    verdict = nested.get(id(manager.group))
+                    if verdict is None:
+                        if inside is None:
+                            inside = _module_ids(targets)
+                        modules = manager.group.modules()
+                        verdict = nested[id(manager.group)] = any(id(m) in inside for m in modules)
+                    if not verdict:
                         raise AlreadyManagedError(
                             f"{_where(target, prefix, name)} is already managed by fully_shard "
                             f"on {_owner(manager.group)}; apply fully_shard to the inner modules "
@@ -208,6 +213,18 @@ def _find_parameters(targets: Sequence[nn.Module]) -> list[_Found]:
                     entry = found[id(parameter)] = _Found(_fqn(prefix, name), parameter, [])
                 entry.locations.append((weakref.ref(module), name))
     return list(found.values())
+
+
+def _module_ids(targets: Sequence[nn.Module]) -> set[int]:
+    """The ids of every module under ``targets``, themselves included."""
+    seen: set[int] = set()
+    stack = list(targets)
+    while stack:
+        module = stack.pop()
+        if id(module) not in seen:
+            seen.add(id(module))
+            stack.extend(child for child in module._modules.values() if child is not None)
+    return seen
 
 
 def _fqn(prefix: str, name: str) -> str:
