@@ -26,7 +26,6 @@ from typing import NamedTuple
 from torch import Tensor, nn
 
 from ._group import ParamGroup
-from ._sharding import ManagedParameter
 
 __all__ = ["MANAGED", "ManagedIndex", "Manager"]
 
@@ -42,7 +41,7 @@ class _Location(NamedTuple):
     """A place a group registers one of its parameters: ``module._parameters[name]``."""
 
     group: weakref.ref[ParamGroup]
-    parameter: weakref.ref[ManagedParameter]
+    position: int  # of the parameter in ``group.parameters``
     module: weakref.ref[nn.Module]
 
 
@@ -57,8 +56,8 @@ class _Keys(NamedTuple):
     """What one group added, to take out again when it is rolled back or freed."""
 
     group: weakref.ref[ParamGroup]  # the reference the entries hold, with the freeing callback
-    locations: list[tuple[tuple[int, str], _Location]]
-    originals: list[_Original]
+    locations: list[tuple[int, str]]  # keys: module ids and names
+    originals: list[int]  # keys: ids of the original parameters
     modules: list[int]
 
 
@@ -92,24 +91,25 @@ class ManagedIndex:
         """Index ``group``'s parameters and modules; each is forgotten when freed."""
         ref = weakref.ref(group, self._on_group_freed)
         keys = _Keys(ref, [], [], [])
-        for parameter in group.parameters:
-            parameter_ref = weakref.ref(parameter)
+        locations: dict[tuple[int, str], _Location] = {}
+        originals: list[_Original] = []
+        for index, parameter in enumerate(group.parameters):
             for module_ref, name in parameter.locations:
                 module = module_ref()
                 if module is not None:
-                    keys.locations.append(
-                        ((id(module), name), _Location(ref, parameter_ref, module_ref))
-                    )
+                    locations[id(module), name] = _Location(ref, index, module_ref)
             original = parameter.original()
             if original is not None:
                 tensor = weakref.KeyedRef(original, self._on_original_freed, id(original))
-                keys.originals.append(_Original(ref, tensor))
+                originals.append(_Original(ref, tensor))
+                keys.originals.append(id(original))
+        keys.locations.extend(locations)
         keys.modules.extend(id(module) for module in group.modules())
         with self._lock:
             self._purge()
             self._added[ref] = keys
-            self._at.update(keys.locations)
-            for entry in keys.originals:
+            self._at.update(locations)
+            for entry in originals:
                 self._originals[entry.tensor.key] = entry
             for module_id in keys.modules:
                 self._groups[module_id] = ref
@@ -126,13 +126,11 @@ class ManagedIndex:
         """The live group managing ``parameter``, registered as ``module._parameters[name]``."""
         location = self._at.get((id(module), name))
         if location is not None and location.module() is module:
-            group, managed = location.group(), location.parameter()
-            if (
-                group is not None
-                and managed is not None
-                and (parameter is managed.sharded or parameter is managed.unsharded)
-            ):
-                return Manager(group, original=False)
+            group = location.group()
+            if group is not None:
+                managed = group.parameters[location.position]
+                if parameter is managed.sharded or parameter is managed.unsharded:
+                    return Manager(group, original=False)
         original = self._originals.get(id(parameter))
         if original is not None and original.tensor() is parameter:
             group = original.group()
@@ -180,12 +178,14 @@ class ManagedIndex:
 
     def _forget(self, keys: _Keys) -> None:
         # A key now held by a newer group (an id reused) stays.
-        for location, entry in keys.locations:
-            if self._at.get(location) is entry:
-                del self._at[location]
-        for original in keys.originals:
-            if self._originals.get(original.tensor.key) is original:
-                del self._originals[original.tensor.key]
+        for place in keys.locations:
+            location = self._at.get(place)
+            if location is not None and location.group is keys.group:
+                del self._at[place]
+        for tensor_id in keys.originals:
+            original = self._originals.get(tensor_id)
+            if original is not None and original.group is keys.group:
+                del self._originals[tensor_id]
         for module_id in keys.modules:
             if self._groups.get(module_id) is keys.group:
                 del self._groups[module_id]
