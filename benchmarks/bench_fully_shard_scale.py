@@ -36,7 +36,7 @@ pytestmark = pytest.mark.benchmark(timer=time.process_time)
 
 WORLD = 64
 #: Layers, and rounds of each library: fewer for the large models, whose rounds are long.
-ROUNDS: dict[int, int] = {8: 7, 32: 7, 128: 7, 512: 5, 1024: 3, 4096: 1}
+ROUNDS: dict[int, int] = {8: 11, 32: 11, 128: 11, 512: 5, 1024: 5, 4096: 1}
 
 Apply = Callable[..., object]
 

@@ -311,6 +311,16 @@ def test_applying_to_a_layer_costs_the_same_however_many_are_sharded(mesh: Devic
     assert max(cost[1:]) == min(cost[1:])
 
 
+def test_applying_to_a_layer_costs_no_more_on_64_ranks_than_on_2(mesh: DeviceMesh) -> None:
+    """Nothing loops over ranks: one more line per rank and parameter would add 9%."""
+    cost: dict[int, int] = {}
+    for world, each_mesh in ((2, DeviceMesh("cpu", [0, 1])), (WORLD, mesh)):
+        model = on_meta(2)
+        fully_shard(model.layers[0], mesh=each_mesh)  # the first apply on a mesh warms caches
+        cost[world] = lines_run(applying(model.layers[1], each_mesh))
+    assert cost[WORLD] <= 1.02 * cost[2]
+
+
 def test_root_apply_costs_linear_in_the_layers(mesh: DeviceMesh) -> None:
     """Twice the layers, at most twice the lines (a fixed part makes it less)."""
     costs: list[int] = []
