@@ -304,18 +304,26 @@ def fully_shard(
     Every parameter under the module(s) that no earlier, nested ``fully_shard``
     manages becomes an ``nn.Parameter`` holding a ``DTensor`` sharded on dim 0
     (``Shard(0)``, padded where dim 0 does not divide), under the same FQNs. Its
-    forward all-gathers them first; after forward they are freed
-    (``reshard_after_forward``; the root, the first application to run forward,
-    keeps its own until backward); backward gathers them again and
+    forward all-gathers them first; backward gathers them again if freed and
     reduce-scatters the gradients, averaged over the mesh, into the sharded
-    parameters' ``.grad``. ``param_dtype`` is the dtype of the gathered
-    parameters and of floating inputs; ``reduce_dtype`` the dtype gradients are
-    reduced in (default: their own), as ``MixedPrecisionPolicy``.
+    parameters' ``.grad``. ``reshard_after_forward`` as in FSDP2: ``None`` frees
+    the parameters after forward except on the root (the first application to
+    run forward), ``True`` always, ``False`` never; an int is the world size to
+    reshard to (1 means False, the mesh's size True). ``param_dtype`` is the
+    dtype of the gathered parameters and of floating inputs; ``reduce_dtype`` the
+    dtype gradients are reduced in (default: their own), as ``MixedPrecisionPolicy``.
 
-    ``mesh`` defaults to a 1-D mesh over the default process group. Raises
-    ``InvalidMeshError`` for a mesh that is not 1-D, ``AlreadyManagedError`` for
-    a parameter another application manages or that is already a DTensor,
-    ``ContractError`` without a process group; nothing is changed then.
+    ``mesh`` defaults to a 1-D mesh over the default process group on the
+    accelerator if there is one, else on CPU. Raises ``TypeError`` naming the
+    argument for one of a wrong type; ``ValueError`` for an int
+    ``reshard_after_forward`` that does not divide the mesh's size or a dtype that
+    is not floating point; ``NotImplementedError`` for a divisor between 1 and the
+    mesh's size; ``InvalidMeshError`` (a ``ValueError``) for a mesh that is not
+    1-D; ``AlreadyManagedError`` for a parameter another application manages or
+    that is already a DTensor; ``ContractError`` without a process group or for
+    a 0-d parameter. Nothing is changed then. The cost is linear in the modules
+    and parameters of ``module``, whatever else is sharded and whatever the
+    world size.
     """
     # A list's modules nested in one another: the outer ones hold the group, as the
     # contract's targets (hooks on an inner one would reshard in the outer's forward).
