@@ -9,7 +9,9 @@ by the same rules as every apply benchmark (CPU time, a fresh model built untime
 caches evicted, garbage collector frozen; see ``harness.time_once_per_model``);
 ``interleaved_torch_seconds`` holds torch's rounds, which the report shows as torch's
 row. Targets: at most torch's time at every size, and growth from 128 to 1,024
-layers within 10% of linear.
+layers within 10% of linear; for the growth, both libraries' 128-layer rounds also
+run between the 1,024-layer rounds (``paired_base_seconds``), so that the two ends
+are measured under the same load.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from torchcontract.apis import fully_shard
 
 from .harness import evict_caches, label
 from .models import LlamaStack, llama_modules, llama_on_meta, module_count
-from .report import SCALE_WORKLOAD
+from .report import SCALE_GROWTH_FROM, SCALE_GROWTH_TO, SCALE_WORKLOAD
 
 pytestmark = pytest.mark.benchmark(timer=time.process_time)
 
@@ -69,11 +71,12 @@ def _prepared(layers: int) -> LlamaStack:
     return model
 
 
-def _time_torch(layers: int, mesh: DeviceMesh) -> float:
+def _time_round(apply: Apply, layers: int, mesh: DeviceMesh) -> float:
+    """One round timed by hand, by the rules pytest-benchmark's rounds follow here."""
     model = _prepared(layers)
     try:
         started = time.process_time()
-        _shard(torch_fully_shard, model, mesh)
+        _shard(apply, model, mesh)
         return time.process_time() - started
     finally:
         gc.unfreeze()
@@ -91,19 +94,30 @@ def test_fully_shard_at_scale(benchmark: BenchmarkFixture, mesh: DeviceMesh, lay
         world_size=WORLD,
     )
     theirs: list[float] = []
+    # At the large end of the growth target, both libraries' rounds at the small end run
+    # in between too: a growth measured across minutes would measure the machine's load.
+    base: dict[str, list[float]] = {"torchcontract": [], "torch": []}
+    paired = layers == SCALE_GROWTH_TO
     rounds = ROUNDS[layers]
     done = 0  # rounds of ours finished
 
     def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if paired:
+            order: list[tuple[str, Apply]] = [
+                ("torchcontract", fully_shard),
+                ("torch", torch_fully_shard),
+            ]
+            for name, apply in order if done % 2 == 0 else order[::-1]:
+                base[name].append(_time_round(apply, SCALE_GROWTH_FROM, mesh))
         if done % 2 == 0:  # even rounds: torch first
-            theirs.append(_time_torch(layers, mesh))
+            theirs.append(_time_round(torch_fully_shard, layers, mesh))
         return (fully_shard, _prepared(layers), mesh), {}
 
     def teardown(*arguments: object) -> None:
         nonlocal done
         gc.unfreeze()
         if done % 2 == 1:  # odd rounds: torch after
-            theirs.append(_time_torch(layers, mesh))
+            theirs.append(_time_round(torch_fully_shard, layers, mesh))
         done += 1
 
     benchmark.pedantic(
@@ -111,6 +125,9 @@ def test_fully_shard_at_scale(benchmark: BenchmarkFixture, mesh: DeviceMesh, lay
     )
     assert len(theirs) == rounds
     benchmark.extra_info["interleaved_torch_seconds"] = theirs
+    if paired:
+        benchmark.extra_info["paired_base_layers"] = SCALE_GROWTH_FROM
+        benchmark.extra_info["paired_base_seconds"] = base
 
 
 def test_the_stacks_have_the_modules_the_table_says() -> None:
