@@ -221,10 +221,13 @@ def test_reshard_after_forward_is_recorded_as_fsdp2_reads_it(
     assert fully_shard.state(model).reshard_after_forward is recorded
 
 
-def test_reshard_after_forward_one_means_false_and_warns(mesh: DeviceMesh) -> None:
-    with pytest.warns(UserWarning, match=r"fully_shard on Linear: reshard_after_forward=1 \(int\)"):
+def test_reshard_after_forward_one_means_false_and_warns_at_the_caller(mesh: DeviceMesh) -> None:
+    with pytest.warns(
+        UserWarning, match=r"fully_shard on Linear: reshard_after_forward=1 \(int\)"
+    ) as caught:
         model = fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=1)
     assert fully_shard.state(model).reshard_after_forward is False
+    assert [warning.filename for warning in caught] == [__file__]
 
 
 @pytest.mark.parametrize("name", ["param_dtype", "reduce_dtype"])

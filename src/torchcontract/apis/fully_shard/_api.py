@@ -10,9 +10,12 @@ an undo step puts the original parameters back and removes the hooks.
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Generator, Sequence
+from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 import attrs
@@ -23,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
+import torchcontract
 from torchcontract import (
     AlreadyManagedError,
     Contract,
@@ -145,7 +149,7 @@ def _resharding(target: nn.Module, value: bool | int | None, mesh: DeviceMesh) -
             "a world of 1, which keeps the parameters unsharded after forward (False); pass "
             "True to free them",
             UserWarning,
-            stacklevel=2,
+            stacklevel=_caller_level(),
         )
         return False
     if value == size:
@@ -155,6 +159,16 @@ def _resharding(target: nn.Module, value: bool | int | None, mesh: DeviceMesh) -
         f"world of {value} of {size} after forward) is not supported yet; pass True to free "
         "the parameters after forward or False to keep them"
     )
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` that points a warning at the first caller outside this package."""
+    package = str(Path(torchcontract.__file__).parent)
+    level = 1
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def _find_parameters(targets: Sequence[nn.Module]) -> list[_Found]:
