@@ -92,9 +92,9 @@ class Result:
     # Training steps: in-rank median over alternating steps of both libraries, and its ratio.
     alternating_ms: float | None = None
     alternating_ratio: float | None = None
-    # A growth target's small end timed between this benchmark's rounds: its median, its size.
-    paired_base: float | None = None
-    paired_base_blocks: int | None = None
+    # Growth from a smaller size timed in each round next to this size's round: the median
+    # of the rounds' ratios (each pair measured seconds apart, under the same load).
+    paired_growth: float | None = None
 
     @property
     def per_call(self) -> float:
@@ -142,7 +142,7 @@ def _interleaved_torch(entry: dict[str, Any]) -> Result | None:
         library=TORCH,
         median=statistics.median(rounds),
         rounds=len(rounds),
-        **_paired_base(info, TORCH),
+        paired_growth=_paired_growth(info, TORCH, rounds),
     )
 
 
@@ -163,19 +163,16 @@ def _result(entry: dict[str, Any]) -> Result:
         timer=str(entry.get("options", {}).get("timer", "")),
         alternating_ms=info.get("alternating_median_ms"),
         alternating_ratio=info.get("alternating_ratio_to_torch"),
-        **_paired_base(info, OURS),
+        paired_growth=_paired_growth(info, OURS, entry["stats"].get("data") or []),
     )
 
 
-def _paired_base(info: dict[str, Any], library: str) -> dict[str, Any]:
-    """``library``'s paired small-end median and size, where the benchmark timed them."""
-    base: dict[str, list[float]] = info.get("paired_base_seconds") or {}
-    if not base.get(library):
-        return {}
-    return {
-        "paired_base": statistics.median(base[library]),
-        "paired_base_blocks": info.get("paired_base_layers"),
-    }
+def _paired_growth(info: dict[str, Any], library: str, rounds: list[float]) -> float | None:
+    """The median over rounds of ``rounds[i]`` over ``library``'s paired small-end round ``i``."""
+    base: list[float] = (info.get("paired_base_seconds") or {}).get(library) or []
+    if not base or len(base) != len(rounds):
+        return None
+    return statistics.median(large / small for large, small in zip(rounds, base, strict=True))
 
 
 def format_time(seconds: float) -> str:
@@ -296,8 +293,8 @@ def scale_growth_table(results: Sequence[Result]) -> list[str]:
         for library in (OURS, TORCH):
             small = by_key.get((library, SCALE_GROWTH_FROM))
             large = by_key.get((library, SCALE_GROWTH_TO))
-            if paired and large and large.paired_base and large.paired_base_blocks:
-                growth[library] = large.median / large.paired_base
+            if paired and large and large.paired_growth:
+                growth[library] = large.paired_growth
             elif not paired and small and large:
                 growth[library] = large.median / small.median
         if OURS not in growth:
@@ -387,8 +384,9 @@ def markdown(results: Sequence[Result], document: dict[str, Any]) -> str:
         f"Machine: {machine(document)}.",
         "",
         "Reproduce with `make bench` (`python -m benchmarks.report`). Every workload ran "
-        "through torchcontract and through `torch.distributed._composable.contract` in the "
-        "same run. Times are medians of CPU time (`time.process_time`) per round unless a "
+        "through torchcontract and through `torch.distributed._composable.contract` (the "
+        "fully_shard rows: through PyTorch's own `fully_shard`) in the same run. Times are "
+        "medians of CPU time (`time.process_time`) per round unless a "
         "row says wall time; rounds "
         "that apply an API each get a freshly built model, built untimed; then the CPU "
         "caches are evicted (a program builds its model long before it applies an API) and "
@@ -418,7 +416,8 @@ def markdown(results: Sequence[Result], document: dict[str, Any]) -> str:
             "layers (fully_shard on every layer, then the root, of a meta-device stack of "
             "Llama-7B layers, 12 modules and 9 parameters each, under PyTorch's fake process "
             "group of 64 ranks; torch's rounds alternate with ours; 4,096 layers is one "
-            "round of each). The target, linear growth plus 10%, applies to paired rounds: "
+            "round of each). The target, linear growth plus 10%, applies to paired rounds, the "
+            "median of each round's ratio: "
             f"{SCALE_GROWTH_FROM}-layer rounds of both libraries timed between the "
             f"{SCALE_GROWTH_TO}-layer rounds, under the same load; each size's own rounds, "
             "minutes apart, are shown too:",
