@@ -112,15 +112,12 @@ def _registered_unsharded(model: nn.Module) -> tuple[str, ...]:
 
 
 def _phases(
-    rank: int, mesh: DeviceMesh, reference: bool, reshard_after_forward: bool
+    rank: int, mesh: DeviceMesh, reference: bool, options: dict[str, object]
 ) -> dict[str, tuple[tuple[str, ...], int, tuple[Collective, ...]]]:
     """One training step: per phase, what is registered unsharded, alive bytes, collectives."""
     torch.manual_seed(0)
     model = GPT(blocks=2)
     apply: Callable[..., object] = torch_fully_shard if reference else fully_shard
-    # Kept: False for both. Otherwise each API's default: the root keeps its parameters
-    # (FSDP2's None; an explicit True there reshards the root too), the others reshard.
-    options = {} if reshard_after_forward else {"reshard_after_forward": False}
     for block in model.blocks:
         apply(block, mesh=mesh, **options)
     apply(model, mesh=mesh, **options)
@@ -244,15 +241,23 @@ def _averaged_gradient(rank: int, mesh: DeviceMesh) -> list[list[float]]:
     return full_gradients(linear)["weight"].tolist()
 
 
+#: ``reshard_after_forward`` as passed to both APIs: the default (None: every group but
+#: the root reshards), True (the root too), False, and an int, the world size (True).
+OPTIONS: Final[dict[str, Callable[[int], dict[str, object]]]] = {
+    "default": lambda world_size: {},
+    "true": lambda world_size: {"reshard_after_forward": True},
+    "false": lambda world_size: {"reshard_after_forward": False},
+    "int": lambda world_size: {"reshard_after_forward": world_size},
+}
+
+
 def _job(rank: int, world_size: int) -> Results:
     mesh = init_device_mesh("cpu", (world_size,))
     results: Results = {"padded": _padded_bytes(world_size)}
-    for keep in (True, False):
-        results[f"ours_{keep}"] = _phases(rank, mesh, reference=False, reshard_after_forward=keep)
+    for option, options in OPTIONS.items():
+        results[f"ours_{option}"] = _phases(rank, mesh, False, options(world_size))
         if REFERENCE_FULLY_SHARD_ON_CPU:
-            results[f"theirs_{keep}"] = _phases(
-                rank, mesh, reference=True, reshard_after_forward=keep
-            )
+            results[f"theirs_{option}"] = _phases(rank, mesh, True, options(world_size))
     results["failed_backward"] = _after_failed_backward(rank, mesh)
     results["averaged"] = _averaged_gradient(rank, mesh)
     return results
@@ -267,62 +272,75 @@ def ranks() -> list[Results]:
 
 
 ROOT_PARAMETERS: Final = ("position", "embed.weight", "norm.weight", "norm.bias")
+BLOCK_PARAMETERS: Final = 12
 
 
-def test_after_forward_only_the_root_stays_unsharded(ranks: list[Results]) -> None:
+def test_by_default_only_the_root_stays_unsharded_after_forward(ranks: list[Results]) -> None:
     for rank in ranks:
-        registered, alive, _ = rank["ours_True"]["forward"]
+        registered, alive, _ = rank["ours_default"]["forward"]
         assert registered == ROOT_PARAMETERS
         assert alive == rank["padded"]["root"]
 
 
+@pytest.mark.parametrize("option", ["true", "int"])
+def test_reshard_after_forward_true_frees_the_root_too(ranks: list[Results], option: str) -> None:
+    for rank in ranks:
+        registered, alive, _ = rank[f"ours_{option}"]["forward"]
+        assert registered == ()
+        assert alive == 0
+
+
 def test_without_reshard_after_forward_every_group_stays_unsharded(ranks: list[Results]) -> None:
     for rank in ranks:
-        registered, alive, _ = rank["ours_False"]["forward"]
-        assert len(registered) == len(ROOT_PARAMETERS) + 2 * 12
+        registered, alive, _ = rank["ours_false"]["forward"]
+        assert len(registered) == len(ROOT_PARAMETERS) + 2 * BLOCK_PARAMETERS
         assert alive == rank["padded"]["root"] + 2 * rank["padded"]["block"]
 
 
-@pytest.mark.parametrize("keep", [True, False])
-def test_backward_and_step_leave_no_unsharded_storage(ranks: list[Results], keep: bool) -> None:
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_backward_and_step_leave_no_unsharded_storage(ranks: list[Results], option: str) -> None:
     for rank in ranks:
         for phase in ("backward", "step"):
-            registered, alive, _ = rank[f"ours_{keep}"][phase]
+            registered, alive, _ = rank[f"ours_{option}"][phase]
             assert registered == ()
             assert alive == 0
 
 
 @needs_reference
-@pytest.mark.parametrize("keep", [True, False])
-def test_registered_and_alive_unsharded_bytes_match_fsdp2(ranks: list[Results], keep: bool) -> None:
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_registered_and_alive_unsharded_bytes_match_fsdp2(
+    ranks: list[Results], option: str
+) -> None:
     for rank in ranks:
         for phase in PHASES:
-            mine, theirs = rank[f"ours_{keep}"][phase], rank[f"theirs_{keep}"][phase]
+            mine, theirs = rank[f"ours_{option}"][phase], rank[f"theirs_{option}"][phase]
             assert mine[:2] == theirs[:2], phase
 
 
 # ----------------------------------------------------------------- collectives
 
 
-def test_each_group_gathers_once_in_forward_and_again_in_backward_unless_kept(
-    ranks: list[Results],
+@pytest.mark.parametrize(
+    ("option", "gathers_in_backward"), [("default", 2), ("true", 3), ("int", 3), ("false", 0)]
+)
+def test_each_group_gathers_in_forward_and_again_in_backward_only_if_resharded(
+    ranks: list[Results], option: str, gathers_in_backward: int
 ) -> None:
     for rank in ranks:
-        for keep, gathers_in_backward in ((True, 2), (False, 0)):
-            phases = rank[f"ours_{keep}"]
-            kinds = [[kind for kind, _ in phases[phase][2]] for phase in PHASES]
-            assert kinds[0] == ["all_gather"] * 3
-            assert kinds[1].count("all_gather") == gathers_in_backward
-            assert kinds[1].count("reduce_scatter") == 3
-            assert kinds[2] == []
+        phases = rank[f"ours_{option}"]
+        kinds = [[kind for kind, _ in phases[phase][2]] for phase in PHASES]
+        assert kinds[0] == ["all_gather"] * 3
+        assert kinds[1].count("all_gather") == gathers_in_backward
+        assert kinds[1].count("reduce_scatter") == 3
+        assert kinds[2] == []
 
 
 @needs_reference
-@pytest.mark.parametrize("keep", [True, False])
-def test_collectives_and_their_sizes_match_fsdp2(ranks: list[Results], keep: bool) -> None:
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_collectives_and_their_sizes_match_fsdp2(ranks: list[Results], option: str) -> None:
     for rank in ranks:
         for phase in PHASES:
-            mine, theirs = rank[f"ours_{keep}"][phase][2], rank[f"theirs_{keep}"][phase][2]
+            mine, theirs = rank[f"ours_{option}"][phase][2], rank[f"theirs_{option}"][phase][2]
             # The same collectives and sizes; the order in backward may differ: FSDP2
             # gathers the next group before reduce-scattering the last (prefetch).
             assert sorted(mine) == sorted(theirs), phase
