@@ -158,9 +158,15 @@ def test_a_mesh_that_is_not_a_device_mesh_is_a_type_error_naming_mesh(
     )
 
 
-def test_a_2d_mesh_is_an_invalid_mesh_error_and_a_value_error(mesh: DeviceMesh) -> None:
-    square = init_device_mesh("cpu", (8, 8))
-    assert _refused(nn.Linear(4, 4), InvalidMeshError, r"expected a 1-D device mesh", mesh=square)
+def test_a_3d_mesh_is_an_invalid_mesh_error_and_a_value_error(mesh: DeviceMesh) -> None:
+    cube = init_device_mesh("cpu", (2, 4, 8))
+    assert _refused(
+        nn.Linear(4, 4),
+        InvalidMeshError,
+        r"expected a 1-D mesh \(sharding\) or a 2-D mesh \(replicate, shard\) for HSDP, got one "
+        r"of shape \(2, 4, 8\)",
+        mesh=cube,
+    )
     assert issubclass(InvalidMeshError, ValueError)
 
 

@@ -128,11 +128,13 @@ def _check_arguments(
 
 
 def _check_mesh(target: nn.Module, mesh: DeviceMesh) -> None:
-    if mesh.ndim != 1:
+    """A 1-D mesh shards; a 2-D one ``(replicate, shard)`` is HSDP, as FSDP2 reads it."""
+    if mesh.ndim not in (1, 2):
         raise InvalidMeshError(
-            f"fully_shard on {module_label(target)}: expected a 1-D device mesh, got one of "
-            f"shape {tuple(mesh.shape)}; pass mesh=init_device_mesh(device, (world_size,)) "
-            "(HSDP and 2-D meshes are not supported)"
+            f"fully_shard on {module_label(target)}: expected a 1-D mesh (sharding) or a 2-D "
+            f"mesh (replicate, shard) for HSDP, got one of shape {tuple(mesh.shape)}; pass "
+            "mesh=init_device_mesh(device, (world_size,)), or (replicas, shard_size), or "
+            "slice it (mesh['replicate', 'shard'])"
         )
 
 
@@ -146,7 +148,7 @@ def _resharding(target: nn.Module, value: bool | int | None, mesh: DeviceMesh) -
     """
     if value is None or isinstance(value, bool):
         return value
-    size = mesh.size()
+    size = mesh.size(mesh.ndim - 1)  # the shard dim's (HSDP replicates over the other)
     if value < 1 or value > size or size % value != 0:
         raise ValueError(
             f"fully_shard on {module_label(target)}: reshard_after_forward as an int is the "
@@ -362,13 +364,15 @@ def fully_shard(
     dtype gradients are reduced in (default: their own), as ``MixedPrecisionPolicy``.
 
     ``mesh`` defaults to a 1-D mesh over the default process group on the
-    accelerator if there is one, else on CPU. Raises ``TypeError`` naming the
+    accelerator if there is one, else on CPU. A 2-D mesh ``(replicate, shard)`` is
+    HSDP, as in FSDP2: parameters are sharded over the inner dim (placements
+    ``(Replicate(), Shard(0))``) and gradients averaged over both. Raises ``TypeError`` naming the
     argument for one of a wrong type; ``ValueError`` for an int
     ``reshard_after_forward`` that does not divide the mesh's size or a dtype that
     is not floating point; ``NotImplementedError`` for a divisor between 1 and the
-    mesh's size; ``InvalidMeshError`` (a ``ValueError``) for a mesh that is not
-    1-D; ``AlreadyManagedError`` for a parameter another application manages or
-    that is already a DTensor; ``ContractError`` without a process group or for
+    mesh's size; ``InvalidMeshError`` (a ``ValueError``) for a mesh that is neither
+    1-D nor 2-D; ``AlreadyManagedError`` for a parameter another application
+    manages or that is already a DTensor; ``ContractError`` without a process group or for
     a 0-d parameter. Nothing is changed then. The cost is linear in the modules
     and parameters of ``module``, whatever else is sharded and whatever the
     world size.
@@ -389,9 +393,10 @@ def fully_shard(
         fully_shard,
         targets,
         parameters,
-        mesh.get_group(),
+        mesh.get_group(mesh.ndim - 1),
         reshard_after_forward=resharding,
         reduce_dtype=reduce_dtype,
+        replicate_group=mesh.get_group(0) if mesh.ndim == 2 else None,
     )
     # Validated: from here on nothing raises before the parameters are all swapped.
     for parameter in parameters:
@@ -459,7 +464,9 @@ def unshard(module: nn.Module) -> None:
     backward). Every rank must call it. Raises ``NotAppliedError`` if
     ``fully_shard`` is not applied to ``module``.
     """
-    _group_of(module).unshard()
+    group = _group_of(module)
+    group.drop_prefetch()  # gathered before any optimizer step since: gather afresh
+    group.unshard()
 
 
 def reshard(module: nn.Module) -> None:

@@ -27,18 +27,28 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from .. import _torch
 
-__all__ = ["Location", "ManagedParameter", "as_dtensor"]
+__all__ = ["Location", "ManagedParameter", "as_dtensor", "placements"]
 
 #: Where a parameter is registered: a module (weakly) and the name in its ``_parameters``.
 Location = tuple["weakref.ref[nn.Module]", str]
 
 
+def placements(mesh: DeviceMesh) -> tuple[Placement, ...]:
+    """FSDP2's placements: ``(Shard(0),)`` on a 1-D mesh, ``(Replicate(), Shard(0))`` for HSDP."""
+    return (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+
+
 class ManagedParameter:
-    """A parameter sharded on dim 0 over a 1-D mesh, and its unsharded form when gathered."""
+    """A parameter sharded on dim 0 over a mesh's last dim, and its unsharded form when gathered.
+
+    On a 2-D ``(replicate, shard)`` mesh (HSDP) every replica holds the same shards:
+    the rows are split over the inner dim only.
+    """
 
     def __init__(
         self,
@@ -52,8 +62,9 @@ class ManagedParameter:
         self.original = weakref.ref(parameter)
         self.locations = tuple(locations)
         self.mesh = mesh
-        self.world = mesh.size()
-        self.rank = mesh.get_local_rank()
+        self.placements = placements(mesh)
+        self.world = mesh.size(mesh.ndim - 1)
+        self.rank = mesh.get_local_rank(mesh.ndim - 1)
         self.shape = parameter.shape
         # The mixed-precision dtype of the gathered parameter; None: the parameter's own.
         floating = parameter.dtype.is_floating_point
@@ -69,7 +80,7 @@ class ManagedParameter:
             sharded = DTensor.from_local(
                 local,
                 mesh,
-                [Shard(0)],
+                self.placements,
                 run_check=False,
                 shape=parameter.shape,
                 stride=parameter.stride(),
@@ -235,7 +246,7 @@ class ManagedParameter:
                 self.sharded.grad = DTensor.from_local(
                     local,
                     self.mesh,
-                    [Shard(0)],
+                    self.placements,
                     run_check=False,
                     shape=self.shape,
                     stride=self.sharded.stride(),
