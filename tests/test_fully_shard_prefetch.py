@@ -110,7 +110,7 @@ def test_prefetch_of_a_non_list_or_non_module_is_a_type_error(
         setter(model[0], model[1])
     with pytest.raises(TypeError, match=r"modules\[0\] must be an nn.Module .* got str"):
         setter(model[0], ["0"])
-    with pytest.raises(TypeError, match="module must be an nn.Module"):
+    with pytest.raises(TypeError, match=r"module must be an nn\.Module"):
         setter(None, [model[1]])
 
 
@@ -132,7 +132,8 @@ def test_a_2d_mesh_shards_on_the_inner_dim_as_torch_fully_shard(mesh: DeviceMesh
     fully_shard(ours, mesh=hsdp)
     torch_fully_shard(theirs, mesh=hsdp)
     for mine, reference in zip(ours.parameters(), theirs.parameters(), strict=True):
-        assert isinstance(mine, DTensor) and isinstance(reference, DTensor)
+        assert isinstance(mine, DTensor)
+        assert isinstance(reference, DTensor)
         assert mine.placements == reference.placements == (Replicate(), Shard(0))
         assert mine.to_local().shape == reference.to_local().shape
         assert mine.device_mesh is hsdp

@@ -66,10 +66,11 @@ def set_implicit_prefetch(module: nn.Module, enabled: bool) -> None:
     Raises ``NotAppliedError`` if no application is on ``module`` or inside it,
     ``TypeError`` if ``enabled`` is not a bool.
     """
-    if not isinstance(enabled, bool):
+    given: object = enabled  # checked at run time: callers need not be type-checked
+    if not isinstance(given, bool):
         raise TypeError(
             f"set_implicit_prefetch on {module_label(module)}: enabled must be a bool, got "
-            f"{type(enabled).__qualname__}; pass True or False"
+            f"{type(given).__qualname__}; pass True or False"
         )
     groups = [
         group for _, inner in named_tree(module) if (group := MANAGED.group_of(inner)) is not None
