@@ -66,12 +66,7 @@ def set_implicit_prefetch(module: nn.Module, enabled: bool) -> None:
     Raises ``NotAppliedError`` if no application is on ``module`` or inside it,
     ``TypeError`` if ``enabled`` is not a bool.
     """
-    given: object = enabled  # checked at run time: callers need not be type-checked
-    if not isinstance(given, bool):
-        raise TypeError(
-            f"set_implicit_prefetch on {module_label(module)}: enabled must be a bool, got "
-            f"{type(given).__qualname__}; pass True or False"
-        )
+    _check_bool(module, enabled)
     groups = [
         group for _, inner in named_tree(module) if (group := MANAGED.group_of(inner)) is not None
     ]
@@ -82,6 +77,15 @@ def set_implicit_prefetch(module: nn.Module, enabled: bool) -> None:
         )
     for group in groups:
         group.implicit_prefetch = enabled
+
+
+def _check_bool(module: nn.Module, enabled: object) -> None:
+    """Checked at run time: callers need not be type-checked."""
+    if not isinstance(enabled, bool):
+        raise TypeError(
+            f"set_implicit_prefetch on {module_label(module)}: enabled must be a bool, got "
+            f"{type(enabled).__qualname__}; pass True or False"
+        )
 
 
 def _group(name: str, module: object, role: str) -> ParamGroup:
