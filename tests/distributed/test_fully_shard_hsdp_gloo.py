@@ -66,7 +66,8 @@ def _local_bytes(model: nn.Module) -> int:
 
 
 def _largest_tensor_gap(mine: dict[str, Any], theirs: dict[str, Any]) -> float:
-    def local(value: Tensor) -> Tensor:
+    def local(value: object) -> Tensor:
+        assert isinstance(value, Tensor)
         return value.to_local() if isinstance(value, DTensor) else value
 
     return largest_gap(
@@ -117,7 +118,7 @@ def _job(rank: int, world_size: int, directory: str) -> Results:
     mine_full = get_model_state_dict(ours, options=full)
     theirs_full = get_model_state_dict(theirs, options=full)
     results["full_keys"] = list(mine_full) == list(theirs_full)
-    results["full_gap"] = largest_gap(mine_full, theirs_full)
+    results["full_gap"] = _largest_tensor_gap(mine_full, theirs_full)
     results["full_plain"] = all(not isinstance(value, DTensor) for value in mine_full.values())
     mine_sharded, theirs_sharded = get_model_state_dict(ours), get_model_state_dict(theirs)
     results["sharded_gap"] = _largest_tensor_gap(mine_sharded, theirs_sharded)
