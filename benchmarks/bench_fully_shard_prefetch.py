@@ -52,14 +52,18 @@ def _serve(rank: int, world_size: int, port: int) -> int:
     for name in NAMES:
         torch.manual_seed(0)
         model = GPT(CONFIG)
-        shard = torch_fully_shard if name == TORCH else fully_shard
-        for block in model.blocks:
-            shard(block, mesh=mesh)
-        shard(model, mesh=mesh)
+        if name == TORCH:
+            for block in model.blocks:
+                torch_fully_shard(block, mesh=mesh)
+            torch_fully_shard(model, mesh=mesh)
+        else:
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
         models[name] = model
     set_implicit_prefetch(models[NO_PREFETCH], False)
-    for name, model in models.items():
-        store.set(f"bytes/{name}/{rank}", repr(local_parameter_bytes(model)))
+    for name, sharded in models.items():
+        store.set(f"bytes/{name}/{rank}", repr(local_parameter_bytes(sharded)))
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
     tokens, targets = synthetic_batch(CONFIG, BATCH, rank, 0)
     return serve_steps(
