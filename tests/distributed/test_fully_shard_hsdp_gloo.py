@@ -2,7 +2,10 @@
 
 One job, a tiny model and a few steps (4 ranks share the machine's cores): losses,
 gradients and parameters after Adam steps, the placements and bytes each rank
-holds, and the state dicts (full, sharded, through DCP) against FSDP2's.
+holds, and the state dicts (full, sharded, through DCP) against FSDP2's. The same
+job checks ``reshard_after_forward=2`` on a 1-D mesh of 4 (FSDP2's post-forward
+mesh), which needs 4 ranks too: what is registered after forward, the group
+backward gathers over, and the numbers, against FSDP2.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torchcontract.apis import fully_shard
 from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
+from torchcontract.apis.fully_shard import _group
 from torchcontract.testing import run_distributed
 
 Results = dict[str, Any]
@@ -76,10 +80,74 @@ def _largest_tensor_gap(mine: dict[str, Any], theirs: dict[str, Any]) -> float:
     )
 
 
+def _registered(model: GPT) -> list[tuple[str, tuple[int, ...], str, tuple[int, ...], int]]:
+    """Each block parameter as registered now: type, mesh shape, placements, local shape, bytes."""
+    found = []
+    for name, parameter in model.blocks.named_parameters():
+        if isinstance(parameter, DTensor):
+            local = parameter.to_local()
+            found.append(
+                (
+                    f"{name} DTensor",
+                    tuple(parameter.device_mesh.shape),
+                    str(parameter.placements),
+                    tuple(local.shape),
+                    local.numel() * local.element_size(),
+                )
+            )
+        else:
+            found.append((f"{name} {type(parameter).__name__}", (), "", tuple(parameter.shape), 0))
+    return found
+
+
+def _post_forward(rank: int) -> Results:
+    """``reshard_after_forward=2`` on a 1-D mesh of 4, ours and FSDP2's side by side."""
+    mesh = init_device_mesh("cpu", (4,))
+    models = []
+    for shard in (fully_shard, torch_fully_shard):
+        torch.manual_seed(0)
+        model = GPT(blocks=2)
+        for block in model.blocks:
+            shard(block, mesh=mesh, reshard_after_forward=2)
+        shard(model, mesh=mesh)
+        models.append(model)
+    ours, theirs = models
+    optimizers = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in models]
+    gathers: list[tuple[int, bool]] = []
+    patched: Any = _group
+    original = patched.start_all_gather
+
+    def start(parameters: Any, group: Any, *, async_op: bool, post_forward: bool = False) -> Any:
+        gathers.append((group.size(), post_forward))
+        return original(parameters, group, async_op=async_op, post_forward=post_forward)
+
+    results: Results = {"losses": []}
+    for step in range(STEPS):
+        tokens, targets = batch(rank, step)
+        losses = [loss_on(model, tokens, targets) for model in models]
+        if step == 0:
+            results["registered"] = (_registered(ours), _registered(theirs))
+        patched.start_all_gather = start
+        try:
+            torch.autograd.backward(losses[0])
+        finally:
+            patched.start_all_gather = original
+        torch.autograd.backward(losses[1])
+        results["losses"].append((losses[0].item(), losses[1].item()))
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    results["backward_gathers"] = gathers
+    results["parameter_gap"] = largest_gap(full_parameters(ours), full_parameters(theirs))
+    return results
+
+
 def _job(rank: int, world_size: int, directory: str) -> Results:
+    post_forward = _post_forward(rank)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     ours, theirs = _model(mesh, False), _model(mesh, True)
     results: Results = {
+        "post_forward": post_forward,
         "placements": {
             str(parameter.placements)
             for parameter in ours.parameters()
@@ -221,3 +289,27 @@ def test_hsdp_checkpoint_round_trips_through_dcp_and_full_state_dict(
         assert results["full_load_gap"] == 0.0
         mine, theirs = results["after_load"]
         assert abs(mine - theirs) <= TOLERANCE
+
+
+def test_reshard_after_forward_2_registers_what_torch_registers_after_forward(
+    ranks: list[Results],
+) -> None:
+    """Each rank keeps 1/2 of the rows, on a (2, 2) post-forward mesh, as FSDP2."""
+    for results in ranks:
+        mine, theirs = results["post_forward"]["registered"]
+        assert mine == theirs
+        assert all(entry[1] == (2, 2) for entry in mine)
+        assert {entry[2] for entry in mine} == {str((Replicate(), Shard(0)))}
+
+
+def test_reshard_after_forward_2_gathers_over_2_ranks_in_backward(ranks: list[Results]) -> None:
+    """Backward gathers the two blocks over the post-forward group of 2, not the mesh of 4."""
+    for results in ranks:
+        assert results["post_forward"]["backward_gathers"] == [(2, True), (2, True)] * STEPS
+
+
+def test_reshard_after_forward_2_trains_as_torch_fully_shard(ranks: list[Results]) -> None:
+    for results in ranks:
+        losses = results["post_forward"]["losses"]
+        assert all(abs(mine - theirs) <= TOLERANCE for mine, theirs in losses)
+        assert results["post_forward"]["parameter_gap"] <= TOLERANCE

@@ -141,10 +141,10 @@ def _check_mesh(target: nn.Module, mesh: DeviceMesh) -> None:
 def _resharding(target: nn.Module, value: bool | int | None, mesh: DeviceMesh) -> bool | None:
     """``reshard_after_forward`` as FSDP2 reads it: None, True or False; an int checked.
 
-    An int is the world size to reshard to after forward, a divisor of the mesh's
-    size: 1 means False (FSDP2 warns as well) and the mesh's size means True. Raises
-    ``ValueError`` for any other int that is not a divisor, ``NotImplementedError``
-    for a divisor in between (a smaller post-forward mesh is not supported yet).
+    An int is the world size to reshard to after forward, a divisor of the shard
+    dim's size: 1 means False (FSDP2 warns as well), the size True, and a divisor in
+    between True on a smaller post-forward mesh (``_post_forward_mesh``). Raises
+    ``ValueError`` for any other int.
     """
     if value is None or isinstance(value, bool):
         return value
@@ -164,13 +164,17 @@ def _resharding(target: nn.Module, value: bool | int | None, mesh: DeviceMesh) -
             stacklevel=_caller_level(),
         )
         return False
-    if value == size:
-        return True
-    raise NotImplementedError(
-        f"fully_shard on {module_label(target)}: reshard_after_forward={value} (reshard to a "
-        f"world of {value} of {size} after forward) is not supported yet; pass True to free "
-        "the parameters after forward or False to keep them"
-    )
+    return True
+
+
+def _post_forward_mesh(value: bool | int | None, mesh: DeviceMesh) -> DeviceMesh | None:
+    """FSDP2's post-forward mesh for an int between 1 and the shard size: ranks in rows of it.
+
+    Every rank builds it (new process groups), as every rank applies ``fully_shard``.
+    """
+    if value is None or isinstance(value, bool) or value in (1, mesh.size(mesh.ndim - 1)):
+        return None
+    return DeviceMesh(mesh.device_type, mesh.mesh.view(-1, value))
 
 
 def _caller_level() -> int:
@@ -359,7 +363,9 @@ def fully_shard(
     parameters' ``.grad``. ``reshard_after_forward`` as in FSDP2: ``None`` frees
     the parameters after forward except on the root (the first application to
     run forward), ``True`` always, ``False`` never; an int is the world size to
-    reshard to (1 means False, the mesh's size True). ``param_dtype`` is the
+    reshard to (1 means False, the shard size True; in between, each rank keeps
+    its share of a smaller group's shards after forward and backward gathers over
+    that group, FSDP2's post-forward mesh). ``param_dtype`` is the
     dtype of the gathered parameters and of floating inputs; ``reduce_dtype`` the
     dtype gradients are reduced in (default: their own), as ``MixedPrecisionPolicy``.
 
@@ -369,8 +375,7 @@ def fully_shard(
     ``(Replicate(), Shard(0))``) and gradients averaged over both. Raises ``TypeError`` naming the
     argument for one of a wrong type; ``ValueError`` for an int
     ``reshard_after_forward`` that does not divide the mesh's size or a dtype that
-    is not floating point; ``NotImplementedError`` for a divisor between 1 and the
-    mesh's size; ``InvalidMeshError`` (a ``ValueError``) for a mesh that is neither
+    is not floating point; ``InvalidMeshError`` (a ``ValueError``) for a mesh that is neither
     1-D nor 2-D; ``AlreadyManagedError`` for a parameter another application
     manages or that is already a DTensor; ``ContractError`` without a process group or for
     a 0-d parameter. Nothing is changed then. The cost is linear in the modules
@@ -385,8 +390,16 @@ def fully_shard(
     _check_mesh(targets[0], mesh)
     resharding = _resharding(targets[0], reshard_after_forward, mesh)
     found = _find_parameters(targets)
+    post_forward = _post_forward_mesh(reshard_after_forward, mesh)
     parameters = [
-        ManagedParameter(item.fqn, item.parameter, item.locations, mesh, param_dtype)
+        ManagedParameter(
+            item.fqn,
+            item.parameter,
+            item.locations,
+            mesh,
+            param_dtype,
+            post_forward_mesh=post_forward,
+        )
         for item in found
     ]
     group = ParamGroup(
@@ -397,6 +410,7 @@ def fully_shard(
         reshard_after_forward=resharding,
         reduce_dtype=reduce_dtype,
         replicate_group=mesh.get_group(0) if mesh.ndim == 2 else None,
+        post_forward_group=None if post_forward is None else post_forward.get_group(1),
     )
     # Validated: from here on nothing raises before the parameters are all swapped.
     for parameter in parameters:

@@ -40,8 +40,8 @@ class PendingGather:
     def finish(self) -> None:
         """Wait for the collective(s) and register the unsharded parameters."""
         self.discard()
-        for parameters, _, gathered in self._parts:
-            _unshard_from(parameters, gathered)
+        for parameters, flat, gathered in self._parts:
+            _unshard_from(parameters, gathered, gathered.numel() // flat.numel())
         self._parts = []
 
     def discard(self) -> None:
@@ -52,19 +52,30 @@ class PendingGather:
 
 
 def start_all_gather(
-    parameters: Sequence[ManagedParameter], group: dist.ProcessGroup, *, async_op: bool
+    parameters: Sequence[ManagedParameter],
+    group: dist.ProcessGroup,
+    *,
+    async_op: bool,
+    post_forward: bool = False,
 ) -> PendingGather:
     """Start the all-gather of ``parameters``: one collective per dtype, in their order.
 
     With ``async_op`` the collectives run while the caller computes (gloo runs them
-    on its own threads); without, they are done when this returns.
+    on its own threads); without, they are done when this returns. With
+    ``post_forward``, each rank sends what it kept after forward, over ``group`` (the
+    post-forward mesh's shard group) instead of its shard.
     """
     parts: list[tuple[Sequence[ManagedParameter], Tensor, Tensor]] = []
     works: list[dist.Work] = []
     world = group.size()
     for same_dtype in _by_dtype(parameters, [parameter.param_dtype for parameter in parameters]):
         chosen = [parameters[index] for index in same_dtype]
-        flat = torch.cat([parameter.gather_input() for parameter in chosen])
+        flat = torch.cat(
+            [
+                parameter.post_forward_input() if post_forward else parameter.gather_input()
+                for parameter in chosen
+            ]
+        )
         gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
         if world == 1:
             gathered.copy_(flat)
@@ -89,12 +100,23 @@ def _by_dtype(items: Sequence[object], dtypes: Sequence[torch.dtype]) -> list[li
     return list(groups.values())
 
 
-def _unshard_from(parameters: Sequence[ManagedParameter], gathered: Tensor) -> None:
-    columns = gathered.view(-1, sum(parameter.padded_shard_numel for parameter in parameters))
+def _unshard_from(parameters: Sequence[ManagedParameter], gathered: Tensor, world: int) -> None:
+    """Each parameter's columns of the ``world`` ranks' inputs, as ``(its world, padded)`` rows.
+
+    A rank's input holds, per parameter, a run of whole padded shards (one, or after a
+    post-forward reshard several), so the columns in rank order are the padded rows.
+    """
+    columns = gathered.view(world, -1)
+    shards_per_rank = columns.shape[1] // sum(
+        parameter.padded_shard_numel for parameter in parameters
+    )
     offset = 0
     for parameter in parameters:
-        width = parameter.padded_shard_numel
-        parameter.unshard_from(columns[:, offset : offset + width])
+        width = shards_per_rank * parameter.padded_shard_numel
+        rows = columns[:, offset : offset + width].reshape(
+            parameter.world, parameter.padded_shard_numel
+        )
+        parameter.unshard_from(rows)
         offset += width
 
 

@@ -91,6 +91,8 @@ class Root:
         for group in self.groups:
             group.drop_prefetch()
             group.post_forward_indices.clear()
+            if group.post_forward:  # kept from a forward without backward: maybe stale now
+                group.reshard()
         if self.forward:
             self.last_forward = self.forward
         self.forward = []
@@ -130,6 +132,7 @@ class ParamGroup:
         reshard_after_forward: bool | None,
         reduce_dtype: torch.dtype | None,
         replicate_group: dist.ProcessGroup | None = None,
+        post_forward_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.api = api
         self._modules = tuple(weakref.ref(module) for module in modules)
@@ -137,6 +140,10 @@ class ParamGroup:
         self.parameters = tuple(parameters)
         self.process_group = group
         self.replicate_group = replicate_group  # HSDP: gradients are averaged over it too
+        # An int reshard_after_forward: the shard group of FSDP2's post-forward mesh, over
+        # which backward gathers what each rank kept after forward (``post_forward``).
+        self.post_forward_group = post_forward_group
+        self.post_forward = False
         self.reshard_after_forward = reshard_after_forward
         self.reduce_dtype = reduce_dtype
         self.unsharded = False
@@ -196,10 +203,19 @@ class ParamGroup:
             self.unsharded = True
         elif not self.unsharded:
             self.check_materialized()
-            start_all_gather(self.parameters, self.process_group, async_op=False).finish()
+            self._start_gather(async_op=False).finish()
             self.unsharded = True
         else:
             self.follow_cast()
+
+    def _start_gather(self, *, async_op: bool) -> PendingGather:
+        """The all-gather of the shards, or after a post-forward reshard of what was kept."""
+        if self.post_forward and self.post_forward_group is not None:
+            self.post_forward = False
+            return start_all_gather(
+                self.parameters, self.post_forward_group, async_op=async_op, post_forward=True
+            )
+        return start_all_gather(self.parameters, self.process_group, async_op=async_op)
 
     def prefetch(self) -> None:
         """Start the all-gather now, on gloo's threads; ``unshard`` waits for it.
@@ -211,13 +227,15 @@ class ParamGroup:
             return
         if any(parameter.is_meta for parameter in self.parameters):
             return
-        self.pending = start_all_gather(self.parameters, self.process_group, async_op=True)
+        self.pending = self._start_gather(async_op=True)
 
     def drop_prefetch(self) -> None:
         """Wait for a prefetched all-gather that was not used, and drop its result."""
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.discard()
+            for parameter in self.parameters:  # a post-forward gather took what was kept
+                parameter.reshard()
 
     def prefetch_forward(self, root: Root | None) -> None:
         """After this group's unshard in forward: prefetch the groups expected next."""
@@ -247,11 +265,22 @@ class ParamGroup:
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded storage."""
         self.drop_prefetch()
-        if self.unsharded:
+        if self.unsharded or self.post_forward:
             self.follow_cast()
             for parameter in self.parameters:
                 parameter.reshard()
-            self.unsharded = False
+            self.unsharded = self.post_forward = False
+
+    def reshard_after_forward_pass(self) -> None:
+        """After forward: free the parameters, or keep them on the post-forward mesh."""
+        if self.post_forward_group is None or not self.unsharded:
+            self.reshard()
+            return
+        self.drop_prefetch()
+        self.follow_cast()
+        for parameter in self.parameters:
+            parameter.reshard_post_forward()
+        self.unsharded, self.post_forward = False, True
 
     def follow_cast(self) -> None:
         """Give the shards the dtype the model was cast to while unsharded, if it was."""

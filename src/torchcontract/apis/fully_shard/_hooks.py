@@ -102,7 +102,7 @@ class ForwardHooks:
         if group is None or _in_backward():
             return None
         if group.reshards_after_forward:
-            group.reshard()
+            group.reshard_after_forward_pass()
         if group.root is not None:
             group.root.record_post_forward(group)
         group.phase = Phase.IDLE
