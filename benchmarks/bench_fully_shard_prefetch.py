@@ -1,6 +1,6 @@
 """fully_shard's prefetching: a training step with and without it, and torch's, on 2 gloo ranks.
 
-A GPT wide enough (width 512, 4 blocks, 12.6 million parameters) that each block's
+A GPT wide enough (width 256, 4 blocks, 3.2 million parameters) that each block's
 all-gather moves megabytes and takes a visible share of the step, on a small
 batch. Each rank holds the model three times: ours with the implicit prefetch
 (the default), ours without it (``set_implicit_prefetch(model, False)``) and under
@@ -29,7 +29,7 @@ from .harness import label
 from .ranks import WORLD_SIZE, ServingRanks, connect, serve_steps, serving, time_steps
 
 BATCH = 2
-CONFIG = GPTConfig(vocabulary=64, context=32, width=512, heads=8, layers=4, dropout=0.0)
+CONFIG = GPTConfig(vocabulary=64, context=32, width=256, heads=8, layers=4, dropout=0.0)
 PREFETCH, NO_PREFETCH, TORCH = "torchcontract", "torchcontract, no prefetch", "torch"
 NAMES = (PREFETCH, NO_PREFETCH, TORCH)
 
@@ -84,7 +84,7 @@ def test_training_step_prefetch(
     """Forward and backward sharded over 2 gloo ranks, and an SGD step."""
     label(
         benchmark,
-        workload="training step, GPT width 512 on 2 gloo ranks, fully_shard prefetch",
+        workload="training step, GPT width 256 on 2 gloo ranks, fully_shard prefetch",
         library=name,
         api="fully_shard",
         parameters=sum(p.numel() for p in GPT(CONFIG).parameters()),
