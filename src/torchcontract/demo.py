@@ -455,7 +455,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if arguments.nproc < 1 or arguments.steps < 1:
         raise SystemExit("--nproc and --steps must be at least 1")
     hsdp: bool = arguments.hsdp
-    world_size = int(os.environ.get("WORLD_SIZE", arguments.nproc))
+    nproc: int = arguments.nproc
+    world_size = int(os.environ.get("WORLD_SIZE") or nproc)
     if hsdp and world_size % 2:
         raise SystemExit(
             f"--hsdp shards over pairs of processes: needs an even count, got {world_size}"
