@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Callable, Generator, Sequence, Set
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar, cast, overload
 
 import attrs
 import torch
@@ -99,6 +99,7 @@ def _shown(value: object) -> str:
 
 def _check_arguments(
     target: nn.Module,
+    *,
     mesh: object,
     reshard_after_forward: object,
     mp_policy: object,
@@ -120,10 +121,9 @@ def _check_arguments(
             f"int or None, got {_shown(reshard_after_forward)}; pass True to free the "
             "parameters after forward, False to keep them, None for FSDP2's default"
         )
-    label = module_label(target)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(
-            f"fully_shard on {label}: mp_policy must be a torch.distributed.fsdp."
+            f"fully_shard on {_label(target)}: mp_policy must be a torch.distributed.fsdp."
             f"MixedPrecisionPolicy, got {_shown(mp_policy)}; pass e.g. "
             "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
         )
@@ -133,23 +133,23 @@ def _check_arguments(
             continue
         if not isinstance(dtype, torch.dtype):
             raise TypeError(
-                f"fully_shard on {label}: mp_policy.{name} must be a torch.dtype or None, "
+                f"fully_shard on {_label(target)}: mp_policy.{name} must be a torch.dtype or None, "
                 f"got {_shown(dtype)}; pass e.g. {name}=torch.bfloat16"
             )
         if not dtype.is_floating_point:
             raise ValueError(
-                f"fully_shard on {label}: mp_policy.{name} must be a floating-point dtype, "
-                f"got {dtype}; pass e.g. {name}=torch.bfloat16, or None"
+                f"fully_shard on {_label(target)}: mp_policy.{name} must be a floating-point "
+                f"dtype, got {dtype}; pass e.g. {name}=torch.bfloat16, or None"
             )
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(
-            f"fully_shard on {label}: offload_policy must be a torch.distributed.fsdp."
+            f"fully_shard on {_label(target)}: offload_policy must be a torch.distributed.fsdp."
             f"OffloadPolicy, got {_shown(offload_policy)}; pass OffloadPolicy() or "
             "CPUOffloadPolicy()"
         )
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(
-            f"fully_shard on {label}: shard_placement_fn must be callable or None, got "
+            f"fully_shard on {_label(target)}: shard_placement_fn must be callable or None, got "
             f"{_shown(shard_placement_fn)}; pass a function of a parameter returning Shard(0) "
             "or None"
         )
@@ -158,14 +158,18 @@ def _check_arguments(
         and all(isinstance(item, nn.Parameter) for item in ignored_params)
     ):
         raise TypeError(
-            f"fully_shard on {label}: ignored_params must be a set of nn.Parameter or None, "
-            f"got {_shown(ignored_params)}; pass e.g. ignored_params={{model.head.weight}}"
+            f"fully_shard on {_label(target)}: ignored_params must be a set of nn.Parameter or "
+            f"None, got {_shown(ignored_params)}; pass e.g. ignored_params={{model.head.weight}}"
         )
     if dp_mesh_dims is not None:
         raise NotImplementedError(
-            f"fully_shard on {label}: dp_mesh_dims (parameters already DTensors on a full SPMD "
-            "mesh) is not supported; pass a data-parallel mesh as mesh= and plain parameters"
+            f"fully_shard on {_label(target)}: dp_mesh_dims (parameters already DTensors on a "
+            "full SPMD mesh) is not supported; pass a data-parallel mesh as mesh= and plain parameters"
         )
+
+
+def _label(target: nn.Module) -> str:
+    return module_label(target)
 
 
 def _check_offload(target: nn.Module, policy: OffloadPolicy, mesh: DeviceMesh) -> None:
@@ -356,6 +360,10 @@ def _owner(group: ParamGroup) -> str:
 
 _M = TypeVar("_M", bound=nn.Module)
 
+#: FSDP2's defaults (frozen dataclasses: one shared instance is safe).
+_NO_MIXED_PRECISION: Final = MixedPrecisionPolicy()
+_NO_OFFLOAD: Final = OffloadPolicy()
+
 
 class FullyShardFunction(Protocol):
     """The signature of the function behind ``fully_shard``: ``fully_shard.__wrapped__``."""
@@ -443,8 +451,8 @@ def fully_shard(
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
-    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (FSDP2's default)
-    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 (FSDP2's default)
+    mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION,
+    offload_policy: OffloadPolicy = _NO_OFFLOAD,
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> None:
@@ -488,13 +496,13 @@ def fully_shard(
     targets = [module] if isinstance(module, nn.Module) else root_modules(module)
     _check_arguments(
         targets[0],
-        mesh,
-        reshard_after_forward,
-        mp_policy,
-        offload_policy,
-        shard_placement_fn,
-        ignored_params,
-        dp_mesh_dims,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        shard_placement_fn=shard_placement_fn,
+        ignored_params=ignored_params,
+        dp_mesh_dims=dp_mesh_dims,
     )
     mesh = _default_mesh(targets[0]) if mesh is None else mesh
     _check_mesh(targets[0], mesh)

@@ -6,7 +6,10 @@ cached: ``FSDP<Name>(FullyShardModule, <Name>)``, where ``FullyShardModule``
 subclasses ``torch.distributed.fsdp.FSDPModule``. ``isinstance(m, FSDPModule)``
 holds, as does ``isinstance(m, <Name>)``; the contract's strict check accepts
 the swap (a subclass). The methods are ours and act on the application's record
-and group. A rolled-back apply puts the original class back.
+and group. A rolled-back apply puts the original class back. The class's
+``__name__`` is FSDP2's, ``FSDP<Name>`` (the module's repr shows it); its
+``__qualname__`` stays the original's, so that errors, which label modules by
+qualified name, keep naming the user's class.
 
 A deep copy or a pickle of such a module is of its original class: the copy's
 hooks stand aside (no process group copies), so it is not sharded by
@@ -75,7 +78,7 @@ class FullyShardModule(FSDPModule):
         root = group.root
         if root is None or not group.is_root:
             raise ContractError(
-                f"fully_shard on {module_label(self)}: reset_iter_state must be called on the "
+                f"fully_shard on {_label(self)}: reset_iter_state must be called on the "
                 "root (the module whose forward ran first); call it on that module"
             )
         root.callback_queued = True  # start_iteration then resets every group
@@ -97,9 +100,8 @@ class FullyShardModule(FSDPModule):
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
         """Whether backward reduce-scatters gradients (False: they accumulate locally)."""
-        _update(
-            self, recurse, lambda record: attrs.evolve(record, sync_gradients=requires_gradient_sync)
-        )
+        value = requires_gradient_sync
+        _update(self, recurse, lambda record: attrs.evolve(record, sync_gradients=value))
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """Whether gradients are all-reduced over the replicate dim (HSDP).
@@ -107,9 +109,8 @@ class FullyShardModule(FSDPModule):
         Recorded; a 1-D mesh has no replicate dim, so no all-reduce happens either
         way, as in FSDP2 on a 1-D mesh.
         """
-        _update(
-            self, recurse, lambda record: attrs.evolve(record, requires_all_reduce=requires_all_reduce)
-        )
+        value = requires_all_reduce
+        _update(self, recurse, lambda record: attrs.evolve(record, requires_all_reduce=value))
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether forward frees the parameters after it; the root's too once set (as FSDP2).
@@ -118,7 +119,7 @@ class FullyShardModule(FSDPModule):
         """
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(
-                f"fully_shard on {module_label(self)}: set_reshard_after_forward takes a bool, "
+                f"fully_shard on {_label(self)}: set_reshard_after_forward takes a bool, "
                 f"got {type(reshard_after_forward).__qualname__}; pass True or False"
             )
         for module in _applied(self, recurse):
@@ -145,9 +146,8 @@ class FullyShardModule(FSDPModule):
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether backward gathers the parameters again (False: backward never reads them)."""
-        _update(
-            self, False, lambda record: attrs.evolve(record, unshard_in_backward=unshard_in_backward)
-        )
+        value = unshard_in_backward
+        _update(self, False, lambda record: attrs.evolve(record, unshard_in_backward=value))
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of the mesh's size."""
@@ -155,9 +155,7 @@ class FullyShardModule(FSDPModule):
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated in FSDP2 for ``set_gradient_divide_factor``; warns and sets that."""
-        warnings.warn(
-            "Use `set_gradient_divide_factor` instead", FutureWarning, stacklevel=2
-        )
+        warnings.warn("Use `set_gradient_divide_factor` instead", FutureWarning, stacklevel=2)
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
@@ -245,7 +243,7 @@ class FullyShardModule(FSDPModule):
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # nn.Module's (or the original class's), not FSDPModule's, which reads FSDP2's state:
         # casts and moves act on the registered tensors, and the group follows casts.
-        return super(FSDPModule, self)._apply(*args, **kwargs)
+        return cast(Any, super(FSDPModule, self))._apply(*args, **kwargs)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Copies and pickles are of the original class (their hooks stand aside)."""
@@ -256,7 +254,8 @@ class FullyShardModule(FSDPModule):
         if not arguments or arguments[0] is not type(self):
             return reduced
         # copyreg.__newobj__ insists on the object's own class; this builds the original.
-        return (_new_object, (original_class(type(self)), *arguments[1:]), *reduced[2:])
+        original = original_class(cast("type[nn.Module]", type(self)))
+        return (_new_object, (original, *arguments[1:]), *reduced[2:])
 
 
 def _new_object(cls: type[Any], *args: object) -> object:
@@ -300,7 +299,7 @@ def fully_shard_class(cls: type[nn.Module]) -> type[nn.Module]:
                 type(
                     f"FSDP{cls.__name__}",
                     (FullyShardModule, cls),
-                    {"__module__": cls.__module__, "__qualname__": f"FSDP{cls.__qualname__}"},
+                    {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
                 ),
             )
             _CLASSES[cls] = made
@@ -308,7 +307,7 @@ def fully_shard_class(cls: type[nn.Module]) -> type[nn.Module]:
     return made
 
 
-def original_class(cls: type[Any]) -> type[Any]:
+def original_class(cls: type[nn.Module]) -> type[nn.Module]:
     """The class ``fully_shard_class`` made ``cls`` from (``cls`` itself if none)."""
     return _ORIGINALS.get(cls, cls)
 
@@ -355,9 +354,13 @@ def _update(module: object, recurse: bool, transition: _Transition) -> None:
             group.update(transition)
 
 
+def _label(module: object) -> str:
+    return module_label(cast(nn.Module, module))
+
+
 def _accelerator_only(module: object, method: str, what: str) -> NoReturn:
     raise NotImplementedError(
-        f"fully_shard on {module_label(cast(nn.Module, module))}: {method} is not supported: it "
+        f"fully_shard on {_label(module)}: {method} is not supported: it "
         f"configures {what}, which only an accelerator's collectives use; these collectives run "
         "synchronously on the caller's stream. Remove the call"
     )

@@ -39,8 +39,8 @@ class FullyShardState:
     mesh: DeviceMesh | None = attrs.field(default=None, repr=_mesh_repr)
     managed: tuple[str, ...] = ()
     reshard_after_forward: bool | None = None
-    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()
-    offload_policy: OffloadPolicy = OffloadPolicy()
+    mp_policy: MixedPrecisionPolicy = attrs.field(factory=MixedPrecisionPolicy)
+    offload_policy: OffloadPolicy = attrs.field(factory=OffloadPolicy)
     ignored: tuple[str, ...] = ()
     forwards: int = 0
     backwards: int = 0
