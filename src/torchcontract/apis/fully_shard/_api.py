@@ -164,7 +164,8 @@ def _check_arguments(
     if dp_mesh_dims is not None:
         raise NotImplementedError(
             f"fully_shard on {_label(target)}: dp_mesh_dims (parameters already DTensors on a "
-            "full SPMD mesh) is not supported; pass a data-parallel mesh as mesh= and plain parameters"
+            "full SPMD mesh) is not supported; pass a data-parallel mesh as mesh= and plain "
+            "parameters"
         )
 
 
