@@ -153,10 +153,7 @@ def _check_arguments(
             f"{_shown(shard_placement_fn)}; pass a function of a parameter returning Shard(0) "
             "or None"
         )
-    if ignored_params is not None and not (
-        isinstance(ignored_params, set | frozenset)
-        and all(isinstance(item, nn.Parameter) for item in ignored_params)
-    ):
+    if ignored_params is not None and not _is_parameter_set(ignored_params):
         raise TypeError(
             f"fully_shard on {_label(target)}: ignored_params must be a set of nn.Parameter or "
             f"None, got {_shown(ignored_params)}; pass e.g. ignored_params={{model.head.weight}}"
@@ -167,6 +164,13 @@ def _check_arguments(
             "full SPMD mesh) is not supported; pass a data-parallel mesh as mesh= and plain "
             "parameters"
         )
+
+
+def _is_parameter_set(value: object) -> bool:
+    if not isinstance(value, set | frozenset):
+        return False
+    items = cast("set[object] | frozenset[object]", value)
+    return all(isinstance(item, nn.Parameter) for item in items)
 
 
 def _label(target: nn.Module) -> str:
@@ -197,12 +201,12 @@ def _check_placements(
         if placement is None:
             continue
         if type(placement) is Shard:
-            dim = placement.dim + item.parameter.dim() if placement.dim < 0 else placement.dim
-            if dim == 0:
+            given: int = cast(Any, placement).dim  # Shard.dim is untyped for pyright
+            if (given + item.parameter.dim() if given < 0 else given) == 0:
                 continue
             raise NotImplementedError(
                 f"fully_shard on {module_label(target)}: shard_placement_fn returned "
-                f"Shard({placement.dim}) for parameter {item.fqn!r}; only dim 0 is supported "
+                f"Shard({given}) for parameter {item.fqn!r}; only dim 0 is supported "
                 "(sharding on another dim is not implemented): return Shard(0) or None"
             )
         raise TypeError(

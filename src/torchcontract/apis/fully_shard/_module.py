@@ -117,7 +117,8 @@ class FullyShardModule(FSDPModule):
 
         Raises ``ValueError`` for a value that is not a bool, as FSDP2 does.
         """
-        if not isinstance(reshard_after_forward, bool):
+        given = cast(object, reshard_after_forward)  # checked: callers are not all typed
+        if not isinstance(given, bool):
             raise ValueError(
                 f"fully_shard on {_label(self)}: set_reshard_after_forward takes a bool, "
                 f"got {type(reshard_after_forward).__qualname__}; pass True or False"
