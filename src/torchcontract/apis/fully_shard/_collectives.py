@@ -8,7 +8,7 @@ the flat buffer holds every parameter's ``r``-th padded shard, in order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -126,6 +126,8 @@ def reduce_scatter(
     group: dist.ProcessGroup,
     reduce_dtype: torch.dtype | None,
     replicate_group: dist.ProcessGroup | None = None,
+    *,
+    hook: Callable[[Tensor], None] | None = None,
 ) -> None:
     """Average ``grads`` (unsharded, one per parameter) over ``group`` into the sharded ``.grad``.
 
@@ -133,7 +135,8 @@ def reduce_scatter(
     collective per dtype; each shard's gradient is cast back to its parameter's
     dtype and added to ``.grad`` (set if there was none). With ``replicate_group``
     (HSDP) the reduce-scattered shards are then averaged over the replicas, as FSDP2's
-    ``foreach_reduce`` all-reduces them over the mesh's outer dim.
+    ``foreach_reduce`` all-reduces them over the mesh's outer dim. ``hook`` (FSDP2's
+    all-reduce hook) gets the reduced flat shards then, before they are stored.
     """
     dtypes = [reduce_dtype or grad.dtype for grad in grads]
     for same_dtype in _by_dtype(parameters, dtypes):
@@ -142,7 +145,8 @@ def reduce_scatter(
             [grads[index] for index in same_dtype],
             group,
             dtypes[same_dtype[0]],
-            replicate_group,
+            replicate_group=replicate_group,
+            hook=hook,
         )
 
 
@@ -151,7 +155,9 @@ def _reduce_scatter_one_dtype(
     grads: Sequence[Tensor],
     group: dist.ProcessGroup,
     dtype: torch.dtype,
+    *,
     replicate_group: dist.ProcessGroup | None,
+    hook: Callable[[Tensor], None] | None,
 ) -> None:
     world = group.size()
     columns = torch.cat(
@@ -169,6 +175,8 @@ def _reduce_scatter_one_dtype(
     if replicate_group is not None and replicate_group.size() > 1:
         _torch.all_reduce(reduced, replicate_group).wait()
         reduced.div_(replicate_group.size())
+    if hook is not None:
+        hook(reduced)
     offset = 0
     for parameter in parameters:
         width = parameter.padded_shard_numel
