@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -142,6 +143,27 @@ def _post_forward(rank: int) -> Results:
     return results
 
 
+def _signs(tensor: Tensor) -> None:
+    """Not linear: before the all-reduce it would average signs, not take the average's sign."""
+    tensor.copy_(tensor.sign() * 0.01)
+
+
+def _all_reduce_hook(rank: int, mesh: DeviceMesh) -> float:
+    """``set_all_reduce_hook`` under HSDP: called on the all-reduced shards, as FSDP2's."""
+    models = [_model(mesh, False), _model(mesh, True)]
+    for model in models:
+        for module in (*model.blocks, model):
+            assert isinstance(module, FSDPModule)
+            module.set_all_reduce_hook(_signs)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    for step in range(2):
+        for model, optimizer in zip(models, optimizers, strict=True):
+            torch.autograd.backward(loss_on(model, *batch(rank, step)))
+            optimizer.step()
+            optimizer.zero_grad()
+    return largest_gap(full_parameters(models[0]), full_parameters(models[1]))
+
+
 def _job(rank: int, world_size: int, directory: str) -> Results:
     post_forward = _post_forward(rank)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -181,6 +203,7 @@ def _job(rank: int, world_size: int, directory: str) -> Results:
     # The gradient of every rank's batch reaches every replica: one process on the
     # global batch computes the same averaged gradient (SGD: no Adam scaling of noise).
     results["global_gap"] = _against_one_process(rank, world_size, mesh)
+    results["hook_gap"] = _all_reduce_hook(rank, mesh)
 
     full = StateDictOptions(full_state_dict=True)
     mine_full = get_model_state_dict(ours, options=full)
@@ -269,6 +292,11 @@ def test_hsdp_losses_gradients_and_parameters_match_torch_with_adam(
 def test_hsdp_averages_gradients_over_all_four_ranks(ranks: list[Results]) -> None:
     for results in ranks:
         assert results["global_gap"] <= 1e-5
+
+
+def test_hsdp_all_reduce_hook_acts_as_torch_fully_shard(ranks: list[Results]) -> None:
+    for results in ranks:
+        assert results["hook_gap"] <= TOLERANCE
 
 
 def test_hsdp_state_dicts_equal_torch_fully_shard(ranks: list[Results]) -> None:
