@@ -178,6 +178,7 @@ def test_unshard_and_reshard_as_methods(mesh: DeviceMesh) -> None:
     assert isinstance(model.second.weight, DTensor)
     handle = fsdp(model).unshard(async_op=True)
     assert isinstance(handle, UnshardHandle)
+    assert isinstance(model.second.weight, DTensor)  # started, not yet waited for
     handle.wait()
     assert not isinstance(model.second.weight, DTensor)
 

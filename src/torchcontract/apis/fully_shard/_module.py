@@ -63,11 +63,18 @@ class FullyShardModule(FSDPModule):
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather the parameters and register them until the next reshard. Not recursive.
 
-        ``async_op=True`` returns an ``UnshardHandle`` whose ``wait()`` returns at
-        once: the all-gather is synchronous here, done when this returns.
+        ``async_op=True`` starts the all-gather (on gloo's threads) and returns an
+        ``UnshardHandle`` whose ``wait()`` waits for it and registers the parameters,
+        as FSDP2's; the module's next forward or backward waits for it too.
         """
-        _group(self).unshard()
-        return UnshardHandle() if async_op else None
+        group = _group(self)
+        group.drop_prefetch()  # gathered before any optimizer step since: gather afresh
+        if not async_op:
+            group.unshard()
+            return None
+        group.check_materialized()
+        group.prefetch()
+        return _PendingUnshard(group)
 
     def reset_iter_state(self) -> None:
         """After a forward or backward raised: reshard every group and forget the iteration.
@@ -276,6 +283,16 @@ class FullyShardModule(FSDPModule):
         # copyreg.__newobj__ insists on the object's own class; this builds the original.
         original = original_class(cast("type[nn.Module]", type(self)))
         return (_new_object, (original, *arguments[1:]), *reduced[2:])
+
+
+class _PendingUnshard(UnshardHandle):
+    """The handle of ``unshard(async_op=True)``: ``wait()`` finishes the group's all-gather."""
+
+    def __init__(self, group: ParamGroup) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        self._group.unshard()
 
 
 def _new_object(cls: type[Any], *args: object) -> object:
