@@ -93,10 +93,10 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
     Mutant(
         "fully_shard_int_world_size_keeps",
         "apis/fully_shard/_api.py",
-        "    if value == size:\n        return True\n",
-        "    if value == size:\n        return False\n",
+        "        return False\n    return True\n\n\ndef _post_forward_mesh",
+        "        return False\n    return False\n\n\ndef _post_forward_mesh",
         (FS_MEMORY,),
-        "reshard_after_forward=<world size> keeps the parameters instead of freeing them",
+        "reshard_after_forward as an int above 1 keeps the parameters instead of freeing them",
     ),
     Mutant(
         "fully_shard_no_reset_after_failed_backward",
@@ -141,8 +141,8 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
     Mutant(
         "fully_shard_no_sync_ignored",
         "apis/fully_shard/_group.py",
-        "if record is not None and not record.sync_gradients:",
-        "if False:",
+        "        if not record.sync_gradients:\n            for parameter in self.parameters:",
+        "        if False:\n            for parameter in self.parameters:",
         (FS_PARITY,),
         "no_sync ignored by fully_shard",
     ),

@@ -60,9 +60,10 @@ class Recorder:
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
-        saved = {
-            (_torch, "all_gather_into"): _torch.all_gather_into,
-            (_torch, "reduce_scatter_average"): _torch.reduce_scatter_average,
+        saved: dict[tuple[object, str], Callable[..., Any]] = {
+            (_torch, name): getattr(_torch, name)
+            for name in ("all_gather_into", "all_gather_into_async", "reduce_scatter_average")
+            if hasattr(_torch, name)  # the asynchronous gather serves prefetching
         }
         for name in ("all_gather_single", "reduce_scatter_single"):
             if hasattr(dist, name):
