@@ -44,7 +44,8 @@ def run_page(page: Path) -> str:
     sys.modules["__main__"] = module
     out = io.StringIO()
     # The script is the page's blocks joined: its line numbers are not the page's.
-    # torch.compile reads a function's source through linecache, so give it the script's.
+    # torch.compile reads a function's source through linecache, so give it the script's;
+    # it stays there, so that a failure's traceback shows the line.
     filename = f"<code of {page.relative_to(ROOT)}>"
     linecache.cache[filename] = (len(script), None, script.splitlines(keepends=True), filename)
     try:
@@ -52,7 +53,6 @@ def run_page(page: Path) -> str:
             exec(compile(script, filename, "exec"), module.__dict__)
     finally:
         sys.modules["__main__"] = saved
-        linecache.cache.pop(filename, None)
         if dist.is_initialized():
             dist.destroy_process_group()
     return out.getvalue()
