@@ -413,7 +413,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     update_page(text)
     print()
     print(text)
-    print(f"Wrote {TABLE.relative_to(ROOT)}, {PLOT.relative_to(ROOT)} and {PAGE.relative_to(ROOT)}.")
+    print(
+        f"Wrote {TABLE.relative_to(ROOT)}, {PLOT.relative_to(ROOT)} and {PAGE.relative_to(ROOT)}."
+    )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def pages() -> list[Path]:
 
 
 def code_blocks(page: Path, language: str) -> list[str]:
-    """The fenced blocks of ``page`` in ``language``, in order (```` ```python ```` and the like)."""
+    """The blocks of ``page`` fenced as ``language`` (```` ```python ````), in order."""
     return re.findall(rf"^```{language}\n(.*?)^```", page.read_text(), flags=re.DOTALL | re.M)
 
 
