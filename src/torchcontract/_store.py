@@ -337,7 +337,13 @@ class StateStore:
     Weakly keyed by module identity: it never keeps a module alive, works for
     modules that define ``__eq__``/``__hash__`` or are unhashable, and adds nothing
     to a module's ``__dict__``. ``len(store)`` is the number of live modules it
-    holds records for. Thread-safe: reads take no lock, writes are serialized.
+    holds records for, and ``module in store`` whether it holds any for ``module``.
+    Thread-safe: reads take no lock, writes are serialized.
+
+    Every contract keeps its records in the shared default store unless made with
+    ``contract(..., store=StateStore())``, which isolates them (a test, a library
+    that wants its own). Records are read and written through the contract
+    (``api.state``, ``api.update``); the store itself is read-only.
     """
 
     __slots__ = ("_table",)
@@ -352,7 +358,15 @@ class StateStore:
         return isinstance(module, nn.Module) and bool(self._table.row(module))
 
     def records(self, module: nn.Module) -> Mapping[AnyContract, object]:
-        """A read-only copy of ``module``'s records, by API, in the order they were installed."""
+        """A read-only copy of ``module``'s records, by API, in the order they were installed.
+
+        Args:
+            module: The module to look up.
+
+        Returns:
+            Each contract keeping a record of ``module`` in this store, mapped to that
+            record; empty when there is none.
+        """
         # dict() copies the row in one step; iterating the live row in Python would
         # fail if another thread installed or removed a record meanwhile.
         row = dict(self._table.row(module))
