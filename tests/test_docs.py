@@ -29,6 +29,10 @@ PRINTS: dict[str, tuple[str, ...]] = {
         "__main__.scale is already applied to Linear",
         "only after: ['extra']",
     ),
+    "docs/writing-an-api.md": (
+        "__main__.shard cannot be combined with __main__.offload",
+        "__main__.needs_linear: Sequential is not an nn.Linear",
+    ),
     "docs/getting-started.md": (
         "__main__.scale is already applied to Linear",
         "__main__.scale is not applied to Linear",
