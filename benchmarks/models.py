@@ -13,7 +13,17 @@ import functools
 import torch
 from torch import nn
 
-__all__ = ["Block", "Model", "blocks_of", "build_model", "module_count", "modules_in"]
+__all__ = [
+    "Block",
+    "LlamaStack",
+    "Model",
+    "blocks_of",
+    "build_model",
+    "llama_modules",
+    "llama_on_meta",
+    "module_count",
+    "modules_in",
+]
 
 WIDTH = 8
 
@@ -92,3 +102,56 @@ def module_count(model: nn.Module) -> int:
 def modules_in(blocks: int) -> int:
     """How many module paths a model of ``blocks`` blocks has."""
     return module_count(build_model(blocks))
+
+
+# ----------------------------------------------------------------- Llama-7B-shaped, on meta
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(dim, dim, bias=False)
+        self.v = nn.Linear(dim, dim, bias=False)
+        self.o = nn.Linear(dim, dim, bias=False)
+
+
+class LlamaFeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+
+class LlamaLayer(nn.Module):
+    """A Llama-7B decoder layer's modules and parameters (12 modules, 9 parameters)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(dim)
+        self.attention = LlamaAttention(dim)
+        self.ffn_norm = nn.RMSNorm(dim)
+        self.feed_forward = LlamaFeedForward(dim, hidden)
+
+
+class LlamaStack(nn.Module):
+    """Embedding, ``layers`` Llama-7B layers, a final norm and the output head."""
+
+    def __init__(self, layers: int, dim: int = 4096, hidden: int = 11008) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32000, dim)
+        self.layers = nn.ModuleList(LlamaLayer(dim, hidden) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, 32000, bias=False)
+
+
+def llama_on_meta(layers: int) -> LlamaStack:
+    """A Llama-7B-shaped stack of ``layers`` layers on the meta device: shapes, no storage."""
+    with torch.device("meta"):
+        return LlamaStack(layers)
+
+
+def llama_modules(layers: int) -> int:
+    """How many modules a stack of ``layers`` layers has: 12 a layer, 5 around them."""
+    return 5 + 12 * layers

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
@@ -60,6 +61,14 @@ ALTERNATING_TARGETS: Final = {"replicate": 1.0, "fully_shard": 1.2}
 GROWTH_TARGET: Final = 9.0  # time at 512 blocks over time at 64 blocks, root apply
 GROWTH_FROM, GROWTH_TO = 64, 512
 
+#: fully_shard on every layer then the root of meta-device Llama-7B stacks, 64 fake ranks
+#: (bench_fully_shard_scale.py). Targets: at most torch's time at every size, and growth
+#: from 128 to 1,024 layers within 10% of the growth in modules.
+SCALE_WORKLOAD: Final = "fully_shard per layer then root, meta Llama-7B layers, 64 fake ranks"
+SCALE_RATIO_TARGET: Final = 1.0
+SCALE_GROWTH_FROM, SCALE_GROWTH_TO = 128, 1024
+SCALE_GROWTH_SLACK: Final = 1.1
+
 #: Options of every run: a short time budget per calibrated benchmark. Each file
 #: picks its timer (a ``benchmark`` mark); the table says which rows are wall time.
 PYTEST_OPTIONS: Final = (
@@ -90,6 +99,9 @@ class Result:
     # Training steps: in-rank median over alternating steps of both libraries, and its ratio.
     alternating_ms: float | None = None
     alternating_ratio: float | None = None
+    # Growth from a smaller size timed in each round next to this size's round: the median
+    # of the rounds' ratios (each pair measured seconds apart, under the same load).
+    paired_growth: float | None = None
 
     @property
     def per_call(self) -> float:
@@ -117,8 +129,28 @@ def run_suite(selection: Sequence[str]) -> None:
 def load(path: Path) -> tuple[list[Result], dict[str, Any]]:
     """The results in ``path`` and the whole JSON document."""
     document: dict[str, Any] = json.loads(path.read_text())
-    results = [_result(entry) for entry in document["benchmarks"]]
+    results = [
+        result
+        for entry in document["benchmarks"]
+        for result in (_result(entry), _interleaved_torch(entry))
+        if result is not None
+    ]
     return results, document
+
+
+def _interleaved_torch(entry: dict[str, Any]) -> Result | None:
+    """Torch's result timed by hand between the rounds of ours, where a benchmark did so."""
+    info: dict[str, Any] = entry.get("extra_info", {})
+    rounds: list[float] | None = info.get("interleaved_torch_seconds")
+    if not rounds:
+        return None
+    return attrs.evolve(
+        _result(entry),
+        library=TORCH,
+        median=statistics.median(rounds),
+        rounds=len(rounds),
+        paired_growth=_paired_growth(info, TORCH, rounds),
+    )
 
 
 def _result(entry: dict[str, Any]) -> Result:
@@ -138,7 +170,16 @@ def _result(entry: dict[str, Any]) -> Result:
         timer=str(entry.get("options", {}).get("timer", "")),
         alternating_ms=info.get("alternating_median_ms"),
         alternating_ratio=info.get("alternating_ratio_to_torch"),
+        paired_growth=_paired_growth(info, OURS, entry["stats"].get("data") or []),
     )
+
+
+def _paired_growth(info: dict[str, Any], library: str, rounds: list[float]) -> float | None:
+    """The median over rounds of ``rounds[i]`` over ``library``'s paired small-end round ``i``."""
+    base: list[float] = (info.get("paired_base_seconds") or {}).get(library) or []
+    if not base or len(base) != len(rounds):
+        return None
+    return statistics.median(large / small for large, small in zip(rounds, base, strict=True))
 
 
 def format_time(seconds: float) -> str:
@@ -181,6 +222,8 @@ def time_table(results: Sequence[Result]) -> list[str]:
             per_call += " (wall time)"
         ratio = ours.per_call / theirs.per_call if ours and theirs else None
         target = RATIO_TARGETS.get((workload, blocks))
+        if workload == SCALE_WORKLOAD:
+            target = SCALE_RATIO_TARGET
         others = ", ".join(
             f"{name}: {format_time(result.per_call)}"
             for name, result in by_library.items()
@@ -228,6 +271,46 @@ def growth_table(results: Sequence[Result]) -> list[str]:
         target = _verdict(growth[OURS], GROWTH_TARGET) if workload == "root apply" else ""
         cells = [f"×{growth[name]:.2f}" if name in growth else "" for name in (OURS, TORCH)]
         lines.append(f"| {workload} | {size} | {cells[0]} | {cells[1]} | {target} |")
+    return lines
+
+
+def _scale_growth_target(results: Sequence[Result]) -> float:
+    """Linear growth in modules from the small to the large end, plus the slack."""
+    modules = {r.blocks: r.modules for r in results if r.workload == SCALE_WORKLOAD}
+    small, large = modules.get(SCALE_GROWTH_FROM), modules.get(SCALE_GROWTH_TO)
+    return SCALE_GROWTH_SLACK * large / small if small and large else 0.0
+
+
+def scale_growth_table(results: Sequence[Result]) -> list[str]:
+    """fully_shard at scale: time at 1,024 layers over time at 128, against module growth.
+
+    One row from paired rounds (the target's), one from each size's own rounds.
+    """
+    by_key = {(r.library, r.blocks): r for r in results if r.workload == SCALE_WORKLOAD}
+    target = _scale_growth_target(results)
+    if not target:
+        return []
+    lines = [
+        f"| measured from | modules {SCALE_GROWTH_FROM} → {SCALE_GROWTH_TO} layers "
+        "| torchcontract | torch | target |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for paired in (True, False):
+        growth: dict[str, float] = {}
+        for library in (OURS, TORCH):
+            small = by_key.get((library, SCALE_GROWTH_FROM))
+            large = by_key.get((library, SCALE_GROWTH_TO))
+            if paired and large and large.paired_growth:
+                growth[library] = large.paired_growth
+            elif not paired and small and large:
+                growth[library] = large.median / small.median
+        if OURS not in growth:
+            continue
+        how = "paired rounds" if paired else "each size's own rounds"
+        cells = [f"×{growth[name]:.2f}" if name in growth else "" for name in (OURS, TORCH)]
+        verdict = _verdict(growth[OURS], round(target, 2)) if paired else ""
+        linear = target / SCALE_GROWTH_SLACK
+        lines.append(f"| {how} | ×{linear:.2f} | {cells[0]} | {cells[1]} | {verdict} |")
     return lines
 
 
@@ -308,8 +391,9 @@ def markdown(results: Sequence[Result], document: dict[str, Any]) -> str:
         f"Machine: {machine(document)}.",
         "",
         "Reproduce with `make bench` (`python -m benchmarks.report`). Every workload ran "
-        "through torchcontract and through `torch.distributed._composable.contract` in the "
-        "same run. Times are medians of CPU time (`time.process_time`) per round unless a "
+        "through torchcontract and through `torch.distributed._composable.contract` (the "
+        "fully_shard rows: through PyTorch's own `fully_shard`) in the same run. Times are "
+        "medians of CPU time (`time.process_time`) per round unless a "
         "row says wall time; rounds "
         "that apply an API each get a freshly built model, built untimed; then the CPU "
         "caches are evicted (a program builds its model long before it applies an API) and "
@@ -332,6 +416,24 @@ def markdown(results: Sequence[Result], document: dict[str, Any]) -> str:
         *per_module_table(results),
         "",
     ]
+    scale = scale_growth_table(results)
+    if scale:
+        parts += [
+            f"fully_shard at scale: growth from {SCALE_GROWTH_FROM} to {SCALE_GROWTH_TO} "
+            "layers (fully_shard on every layer, then the root, of a meta-device stack of "
+            "Llama-7B layers, 12 modules and 9 parameters each, under PyTorch's fake process "
+            "group of 64 ranks; torch's rounds alternate with ours; 4,096 layers is one "
+            "round of each). The target, linear growth plus 10%, applies to paired rounds, the "
+            "median of each round's ratio: "
+            f"{SCALE_GROWTH_FROM}-layer rounds of both libraries timed between the "
+            f"{SCALE_GROWTH_TO}-layer rounds, under the same load; each size's own rounds, "
+            "minutes apart, are shown too:",
+            "",
+            *scale,
+            "",
+            *per_module_table(results, SCALE_WORKLOAD),
+            "",
+        ]
     if memory:
         parts += [
             "Memory (tracemalloc, bytes still allocated after the apply and a full "
@@ -359,7 +461,8 @@ def plot(results: Sequence[Result], path: Path) -> None:
 
     figure, axes = plt.subplots(figsize=(7, 5))
     colours = {OURS: "tab:blue", TORCH: "tab:orange"}
-    for workload, style in (("root apply", "-o"), ("FSDP pattern", "--s"), ("list apply", ":^")):
+    styles = (("root apply", "-o"), ("FSDP pattern", "--s"), ("list apply", ":^"))
+    for workload, style in (*styles, (SCALE_WORKLOAD, "-.d")):
         for library in (OURS, TORCH):
             points = sorted(
                 (r.modules, r.median)

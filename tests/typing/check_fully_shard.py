@@ -28,11 +28,14 @@ assert_type(fully_shard(linear, mesh=mesh), nn.Linear)
 assert_type(fully_shard([linear, nn.Linear(2, 2)], mesh=mesh), list[nn.Linear])
 modules: list[nn.Module] = [linear, model]
 assert_type(fully_shard(modules, mesh=mesh), list[nn.Module])
+# reshard_after_forward takes FSDP2's bool, int (a world size) or None.
+assert_type(fully_shard(nn.Linear(2, 2), reshard_after_forward=False), nn.Linear)
+assert_type(fully_shard(nn.Linear(2, 2), reshard_after_forward=1), nn.Linear)
 assert_type(
     fully_shard(
         model,
         mesh=mesh,
-        reshard_after_forward=False,
+        reshard_after_forward=None,
         param_dtype=torch.bfloat16,
         reduce_dtype=torch.float32,
     ),
@@ -46,7 +49,7 @@ fully_shard(model, mesh)  # type: ignore[call-overload]
 fully_shard(model, mesh="cpu")  # type: ignore[call-overload]
 fully_shard(model, param_dtype="bfloat16")  # type: ignore[call-overload]
 fully_shard(model, reduce_dtype=32)  # type: ignore[call-overload]
-fully_shard(model, reshard_after_forward=None)  # type: ignore[call-overload]
+fully_shard(model, reshard_after_forward="yes")  # type: ignore[call-overload]
 fully_shard(model, process_group=None)  # type: ignore[call-overload]
 fully_shard((model, model))  # type: ignore[call-overload]
 fully_shard("model")  # type: ignore[call-overload]
@@ -56,7 +59,7 @@ record = fully_shard.state(model)
 assert_type(record, FullyShardState)
 assert_type(record.mesh, DeviceMesh | None)
 assert_type(record.managed, tuple[str, ...])
-assert_type(record.reshard_after_forward, bool)
+assert_type(record.reshard_after_forward, bool | None)
 assert_type(record.param_dtype, torch.dtype | None)
 assert_type(record.reduce_dtype, torch.dtype | None)
 assert_type(record.forwards, int)

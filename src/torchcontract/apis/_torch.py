@@ -20,6 +20,7 @@ from torch.utils.hooks import RemovableHandle
 from . import _compat
 
 __all__ = [
+    "accelerator_type",
     "all_gather_into",
     "all_gather_objects",
     "all_gather_objects_over",
@@ -76,6 +77,19 @@ fork_rng: Final = cast(Callable[..., AbstractContextManager[None]], torch.random
 manual_seed: Final = cast(Callable[[int], object], torch.manual_seed)
 
 _get_device_module: Final = cast(Callable[[str], Any], torch_checkpoint._get_device_module)
+
+
+def accelerator_type() -> str:
+    """The device type of the available accelerator (``"cuda"``, ...), else ``"cpu"``.
+
+    Where FSDP2 puts its default mesh (``_init_default_fully_shard_mesh``); unlike
+    it, a build with an accelerator but no device visible gets ``"cpu"``.
+    """
+    if torch.accelerator.is_available():
+        device = torch.accelerator.current_accelerator()
+        if device is not None:
+            return device.type
+    return "cpu"
 
 
 def device_module_initialized(device_type: str) -> bool:

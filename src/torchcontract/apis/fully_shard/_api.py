@@ -10,8 +10,12 @@ an undo step puts the original parameters back and removes the hooks.
 from __future__ import annotations
 
 import contextlib
+import sys
+import warnings
 import weakref
 from collections.abc import Callable, Generator, Sequence
+from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, overload
 
 import attrs
@@ -22,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
+import torchcontract
 from torchcontract import (
     AlreadyManagedError,
     Contract,
@@ -37,9 +42,11 @@ from torchcontract import (
     root_modules,
 )
 
+from .. import _torch
 from ..replicate import replicate
 from ._group import ALL_GROUPS, ParamGroup
 from ._hooks import ForwardHooks
+from ._managed import MANAGED
 from ._sharding import Location, ManagedParameter
 from ._state import FullyShardState
 from ._state_dict import register_state_dict_hooks
@@ -63,33 +70,115 @@ class _Found:
     locations: list[Location]
 
 
-def _default_mesh(module: nn.Module) -> DeviceMesh:
+def _default_mesh(target: nn.Module) -> DeviceMesh:
+    """A 1-D mesh over the default process group on the accelerator, else CPU (as FSDP2).
+
+    Never on the parameters' device: a model built on ``meta`` would get a ``meta``
+    mesh and fail at its first backward after ``to_empty``.
+    """
     if not dist.is_initialized():
         raise ContractError(
-            f"fully_shard on {module_label(module)}: no default process group and no mesh; call "
+            f"fully_shard on {module_label(target)}: no default process group and no mesh; call "
             "torch.distributed.init_process_group() first, or pass mesh="
         )
-    device_type = next((p.device.type for p in module.parameters()), "cpu")
-    return init_device_mesh(device_type, (dist.get_world_size(),))
+    return init_device_mesh(_torch.accelerator_type(), (dist.get_world_size(),))
 
 
-def _managers() -> dict[int, tuple[ParamGroup, bool]]:
-    """Every parameter object a live group manages, by id: the group, and whether it is the
-    original parameter (left in place only where the group's modules do not reach)."""
-    found: dict[int, tuple[ParamGroup, bool]] = {}
-    for group in list(ALL_GROUPS):
-        for parameter in group.parameters:
-            found[id(parameter.sharded)] = (group, False)
-            if parameter.unsharded is not None:
-                found[id(parameter.unsharded)] = (group, False)
-            if (original := parameter.original()) is not None:
-                found[id(original)] = (group, True)
-    return found
+def _shown(value: object) -> str:
+    """``value`` in an error message: its repr if short and simple, else its type's name."""
+    if isinstance(value, str | int | float | None):
+        text = repr(value)
+        return text if len(text) <= 40 else f"{text[:37]}..."
+    return f"a {type(value).__qualname__}"
 
 
-def _owner(group: ParamGroup) -> str:
-    modules = group.modules()
-    return module_label(modules[0]) if modules else "a freed module"
+def _check_arguments(
+    target: nn.Module,
+    mesh: object,
+    reshard_after_forward: object,
+    param_dtype: object,
+    reduce_dtype: object,
+) -> None:
+    """Raise ``TypeError`` naming the argument for one of a wrong type, before anything else."""
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"fully_shard on {module_label(target)}: mesh must be a DeviceMesh or None, got "
+            f"{_shown(mesh)}; pass mesh=init_device_mesh(device_type, (world_size,)) "
+            "(DeviceMesh.from_group(group, device_type) wraps a process group)"
+        )
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
+        raise TypeError(
+            f"fully_shard on {module_label(target)}: reshard_after_forward must be a bool, an "
+            f"int or None, got {_shown(reshard_after_forward)}; pass True to free the "
+            "parameters after forward, False to keep them, None for FSDP2's default"
+        )
+    for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if dtype is None:
+            continue
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(
+                f"fully_shard on {module_label(target)}: {name} must be a torch.dtype or None, "
+                f"got {_shown(dtype)}; pass e.g. {name}=torch.bfloat16"
+            )
+        if not dtype.is_floating_point:
+            raise ValueError(
+                f"fully_shard on {module_label(target)}: {name} must be a floating-point dtype, "
+                f"got {dtype}; pass e.g. {name}=torch.bfloat16, or None"
+            )
+
+
+def _check_mesh(target: nn.Module, mesh: DeviceMesh) -> None:
+    if mesh.ndim != 1:
+        raise InvalidMeshError(
+            f"fully_shard on {module_label(target)}: expected a 1-D device mesh, got one of "
+            f"shape {tuple(mesh.shape)}; pass mesh=init_device_mesh(device, (world_size,)) "
+            "(HSDP and 2-D meshes are not supported)"
+        )
+
+
+def _resharding(target: nn.Module, value: bool | int | None, mesh: DeviceMesh) -> bool | None:
+    """``reshard_after_forward`` as FSDP2 reads it: None, True or False; an int checked.
+
+    An int is the world size to reshard to after forward, a divisor of the mesh's
+    size: 1 means False (FSDP2 warns as well) and the mesh's size means True. Raises
+    ``ValueError`` for any other int that is not a divisor, ``NotImplementedError``
+    for a divisor in between (a smaller post-forward mesh is not supported yet).
+    """
+    if value is None or isinstance(value, bool):
+        return value
+    size = mesh.size()
+    if value < 1 or value > size or size % value != 0:
+        raise ValueError(
+            f"fully_shard on {module_label(target)}: reshard_after_forward as an int is the "
+            f"world size to reshard to after forward and must divide the mesh's size {size}, "
+            f"got {value}; pass True, False or a divisor of {size}"
+        )
+    if value == 1:
+        warnings.warn(
+            f"fully_shard on {module_label(target)}: reshard_after_forward=1 (int) reshards to "
+            "a world of 1, which keeps the parameters unsharded after forward (False); pass "
+            "True to free them",
+            UserWarning,
+            stacklevel=_caller_level(),
+        )
+        return False
+    if value == size:
+        return True
+    raise NotImplementedError(
+        f"fully_shard on {module_label(target)}: reshard_after_forward={value} (reshard to a "
+        f"world of {value} of {size} after forward) is not supported yet; pass True to free "
+        "the parameters after forward or False to keep them"
+    )
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` that points a warning at the first caller outside this package."""
+    package = str(Path(torchcontract.__file__).parent)
+    level = 1
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def _find_parameters(targets: Sequence[nn.Module]) -> list[_Found]:
@@ -98,46 +187,82 @@ def _find_parameters(targets: Sequence[nn.Module]) -> list[_Found]:
     Raises ``AlreadyManagedError`` for a parameter another application manages
     (one not nested in the targets, or a nested one that does not reach every
     module sharing the parameter) or that is already a DTensor; ``ContractError``
-    for a 0-d one. Reads only: nothing is changed.
+    for a 0-d one. Reads only: nothing is changed. One index lookup per parameter,
+    and error text only for an error: the cost is linear in the targets' modules
+    and parameters, whatever else is sharded.
     """
-    managers = _managers()
-    inside = {id(module) for target in targets for module in target.modules()}
+    inside: set[int] | None = None  # ids of the targets' modules, once a managed one is found
+    nested: dict[int, bool] = {}  # by group id: whether one of its modules is inside
     found: dict[int, _Found] = {}
     for target in targets:
         for prefix, module in named_tree(target):
             for name, parameter in module._parameters.items():
                 if parameter is None:
                     continue
-                fqn = f"{prefix}.{name}" if prefix else name
-                where = f"fully_shard on {module_label(target)}: parameter {fqn!r}"
-                manager, original = managers.get(id(parameter), (None, False))
+                manager = MANAGED.manager(module, name, parameter)
                 if manager is not None:
-                    if original:
+                    if manager.original:
                         raise AlreadyManagedError(
-                            f"{where} is shared with a module of fully_shard on "
-                            f"{_owner(manager)}, which manages it but does not contain this "
-                            "module; apply fully_shard to a module containing every module "
-                            "that shares the parameter"
+                            f"{_where(target, prefix, name)} is shared with a module of "
+                            f"fully_shard on {_owner(manager.group)}, which manages it but does "
+                            "not contain this module; apply fully_shard to a module containing "
+                            "every module that shares the parameter"
                         )
-                    if not any(id(other) in inside for other in manager.modules()):
+                    verdict = nested.get(id(manager.group))
+                    if verdict is None:
+                        if inside is None:
+                            inside = _module_ids(targets)
+                        modules = manager.group.modules()
+                        verdict = nested[id(manager.group)] = any(id(m) in inside for m in modules)
+                    if not verdict:
                         raise AlreadyManagedError(
-                            f"{where} is already managed by fully_shard on {_owner(manager)}; "
-                            "apply fully_shard to the inner modules first, then to the outer"
+                            f"{_where(target, prefix, name)} is already managed by fully_shard "
+                            f"on {_owner(manager.group)}; apply fully_shard to the inner modules "
+                            "first, then to the outer"
                         )
                     continue  # a nested application manages it
                 if isinstance(parameter, DTensor):
                     raise AlreadyManagedError(
-                        f"{where} is already a DTensor; fully_shard shards plain tensors only "
-                        "(no tensor parallelism yet): pass a module with regular parameters"
+                        f"{_where(target, prefix, name)} is already a DTensor; fully_shard shards "
+                        "plain tensors only (no tensor parallelism yet): pass a module with "
+                        "regular parameters"
                     )
                 if parameter.dim() == 0:
                     raise ContractError(
-                        f"{where} is a scalar (0-d), which cannot be sharded on dim 0; "
-                        "reshape it to one element"
+                        f"{_where(target, prefix, name)} is a scalar (0-d), which cannot be "
+                        "sharded on dim 0; reshape it to one element"
                     )
-                entry = found.setdefault(id(parameter), _Found(fqn, parameter, []))
+                entry = found.get(id(parameter))
+                if entry is None:
+                    entry = found[id(parameter)] = _Found(_fqn(prefix, name), parameter, [])
                 entry.locations.append((weakref.ref(module), name))
     return list(found.values())
+
+
+def _module_ids(targets: Sequence[nn.Module]) -> set[int]:
+    """The ids of every module under ``targets``, themselves included."""
+    seen: set[int] = set()
+    stack = list(targets)
+    while stack:
+        module = stack.pop()
+        if id(module) not in seen:
+            seen.add(id(module))
+            stack.extend(child for child in module._modules.values() if child is not None)
+    return seen
+
+
+def _fqn(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _where(target: nn.Module, prefix: str, name: str) -> str:
+    """How an error names a parameter; built only when there is an error to report."""
+    return f"fully_shard on {module_label(target)}: parameter {_fqn(prefix, name)!r}"
+
+
+def _owner(group: ParamGroup) -> str:
+    modules = group.modules()
+    return module_label(modules[0]) if modules else "a freed module"
 
 
 _M = TypeVar("_M", bound=nn.Module)
@@ -178,7 +303,7 @@ if TYPE_CHECKING:
             /,
             *,
             mesh: DeviceMesh | None = ...,
-            reshard_after_forward: bool = ...,
+            reshard_after_forward: bool | int | None = ...,
             param_dtype: torch.dtype | None = ...,
             reduce_dtype: torch.dtype | None = ...,
         ) -> _M: ...
@@ -189,7 +314,7 @@ if TYPE_CHECKING:
             /,
             *,
             mesh: DeviceMesh | None = ...,
-            reshard_after_forward: bool = ...,
+            reshard_after_forward: bool | int | None = ...,
             param_dtype: torch.dtype | None = ...,
             reduce_dtype: torch.dtype | None = ...,
         ) -> list[_M]: ...
@@ -218,7 +343,7 @@ def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
 ) -> None:
@@ -227,29 +352,34 @@ def fully_shard(
     Every parameter under the module(s) that no earlier, nested ``fully_shard``
     manages becomes an ``nn.Parameter`` holding a ``DTensor`` sharded on dim 0
     (``Shard(0)``, padded where dim 0 does not divide), under the same FQNs. Its
-    forward all-gathers them first; after forward they are freed
-    (``reshard_after_forward``; the root, the first application to run forward,
-    keeps its own until backward); backward gathers them again and
+    forward all-gathers them first; backward gathers them again if freed and
     reduce-scatters the gradients, averaged over the mesh, into the sharded
-    parameters' ``.grad``. ``param_dtype`` is the dtype of the gathered
-    parameters and of floating inputs; ``reduce_dtype`` the dtype gradients are
-    reduced in (default: their own), as ``MixedPrecisionPolicy``.
+    parameters' ``.grad``. ``reshard_after_forward`` as in FSDP2: ``None`` frees
+    the parameters after forward except on the root (the first application to
+    run forward), ``True`` always, ``False`` never; an int is the world size to
+    reshard to (1 means False, the mesh's size True). ``param_dtype`` is the
+    dtype of the gathered parameters and of floating inputs; ``reduce_dtype`` the
+    dtype gradients are reduced in (default: their own), as ``MixedPrecisionPolicy``.
 
-    ``mesh`` defaults to a 1-D mesh over the default process group. Raises
-    ``InvalidMeshError`` for a mesh that is not 1-D, ``AlreadyManagedError`` for
-    a parameter another application manages or that is already a DTensor,
-    ``ContractError`` without a process group; nothing is changed then.
+    ``mesh`` defaults to a 1-D mesh over the default process group on the
+    accelerator if there is one, else on CPU. Raises ``TypeError`` naming the
+    argument for one of a wrong type; ``ValueError`` for an int
+    ``reshard_after_forward`` that does not divide the mesh's size or a dtype that
+    is not floating point; ``NotImplementedError`` for a divisor between 1 and the
+    mesh's size; ``InvalidMeshError`` (a ``ValueError``) for a mesh that is not
+    1-D; ``AlreadyManagedError`` for a parameter another application manages or
+    that is already a DTensor; ``ContractError`` without a process group or for
+    a 0-d parameter. Nothing is changed then. The cost is linear in the modules
+    and parameters of ``module``, whatever else is sharded and whatever the
+    world size.
     """
     # A list's modules nested in one another: the outer ones hold the group, as the
     # contract's targets (hooks on an inner one would reshard in the outer's forward).
     targets = [module] if isinstance(module, nn.Module) else root_modules(module)
+    _check_arguments(targets[0], mesh, reshard_after_forward, param_dtype, reduce_dtype)
     mesh = _default_mesh(targets[0]) if mesh is None else mesh
-    if mesh.ndim != 1:
-        raise InvalidMeshError(
-            f"fully_shard on {module_label(targets[0])}: expected a 1-D device mesh, got one of "
-            f"shape {tuple(mesh.shape)}; pass mesh=init_device_mesh(device, (world_size,)) "
-            "(HSDP and 2-D meshes are not supported)"
-        )
+    _check_mesh(targets[0], mesh)
+    resharding = _resharding(targets[0], reshard_after_forward, mesh)
     found = _find_parameters(targets)
     parameters = [
         ManagedParameter(item.fqn, item.parameter, item.locations, mesh, param_dtype)
@@ -260,7 +390,7 @@ def fully_shard(
         targets,
         parameters,
         mesh.get_group(),
-        reshard_after_forward=reshard_after_forward,
+        reshard_after_forward=resharding,
         reduce_dtype=reduce_dtype,
     )
     # Validated: from here on nothing raises before the parameters are all swapped.
@@ -273,6 +403,7 @@ def fully_shard(
         handles.append(target.register_forward_hook(hooks.after))
     handles.extend(register_state_dict_hooks(group, targets))
     ALL_GROUPS.add(group)
+    MANAGED.add(group)
     on_rollback(_Undo(group, [item.parameter for item in found], handles))
     fully_shard.update(
         targets[0],
@@ -280,7 +411,7 @@ def fully_shard(
             record,
             mesh=mesh,
             managed=tuple(item.fqn for item in found),
-            reshard_after_forward=reshard_after_forward,
+            reshard_after_forward=resharding,
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
         ),
@@ -308,15 +439,16 @@ class _Undo:
         for handle in self._handles:
             handle.remove()
         ALL_GROUPS.discard(self._group)
+        MANAGED.remove(self._group)
         for parameter, original in zip(self._group.parameters, self._originals, strict=True):
             parameter.install(original)
 
 
 def _group_of(module: nn.Module) -> ParamGroup:
     fully_shard.state(module)  # NotAppliedError if not applied
-    for group in list(ALL_GROUPS):
-        if id(module) in group.module_ids:
-            return group
+    group = MANAGED.group_of(module)
+    if group is not None:
+        return group
     raise ContractError(f"fully_shard on {module_label(module)}: its hooks are gone")
 
 

@@ -81,7 +81,7 @@ class ParamGroup:
         parameters: Sequence[ManagedParameter],
         group: dist.ProcessGroup,
         *,
-        reshard_after_forward: bool,
+        reshard_after_forward: bool | None,
         reduce_dtype: torch.dtype | None,
     ) -> None:
         self.api = api
@@ -158,7 +158,10 @@ class ParamGroup:
 
     @property
     def reshards_after_forward(self) -> bool:
-        return self.reshard_after_forward and not self.is_root
+        """FSDP2's meaning: None frees the parameters after forward except on the root."""
+        if self.reshard_after_forward is None:
+            return not self.is_root
+        return self.reshard_after_forward
 
     # ----------------------------------------------------------------- backward
 

@@ -22,7 +22,8 @@ class FullyShardState:
     ``mesh``: the 1-D mesh parameters are sharded over. ``managed``: the FQNs,
     relative to the module that holds them, of the parameters this application
     shards (a tied parameter once, under its first name; parameters a nested
-    application manages are not listed). ``reshard_after_forward``,
+    application manages are not listed). ``reshard_after_forward``: as FSDP2 reads
+    it, True, False or None (an int is recorded as the bool it means).
     ``param_dtype`` and ``reduce_dtype``: the arguments of the apply.
     ``forwards``: forward calls of the module(s) so far. ``backwards``: backward
     passes whose gradients this application reduce-scattered. ``sync_gradients``:
@@ -31,7 +32,7 @@ class FullyShardState:
 
     mesh: DeviceMesh | None = attrs.field(default=None, repr=_mesh_repr)
     managed: tuple[str, ...] = ()
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | None = None
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     forwards: int = 0
