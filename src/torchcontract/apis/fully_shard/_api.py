@@ -372,6 +372,27 @@ def fully_shard(
     a 0-d parameter. Nothing is changed then. The cost is linear in the modules
     and parameters of ``module``, whatever else is sharded and whatever the
     world size.
+
+    Args:
+        module: A module, or a list of modules sharded as one group with one record.
+        mesh: A 1-D ``DeviceMesh`` to shard over; None for the default process group.
+        reshard_after_forward: Whether to free the gathered parameters after forward:
+            None (the root keeps them), True, False, or the world size to reshard to.
+        param_dtype: The dtype of the gathered parameters and of floating inputs.
+        reduce_dtype: The dtype gradients are reduced in.
+
+    Returns:
+        What it was given (the module, or the list), typed as given.
+
+    Raises:
+        TypeError: An argument is of the wrong type; the message names it.
+        ValueError: An int ``reshard_after_forward`` that does not divide the mesh's
+            size, or a dtype that is not floating point.
+        NotImplementedError: A ``reshard_after_forward`` between 1 and the mesh's size.
+        InvalidMeshError: The mesh is not 1-D.
+        AlreadyManagedError: A parameter is already a DTensor or managed by another
+            application.
+        ContractError: No process group is initialized, or a parameter is 0-d.
     """
     # A list's modules nested in one another: the outer ones hold the group, as the
     # contract's targets (hooks on an inner one would reshard in the outer's forward).
@@ -456,14 +477,28 @@ def unshard(module: nn.Module) -> None:
     """All-gather the parameters ``fully_shard`` manages on ``module`` and register them.
 
     They stay unsharded until ``reshard(module)`` (or the end of the next
-    backward). Every rank must call it. Raises ``NotAppliedError`` if
-    ``fully_shard`` is not applied to ``module``.
+    backward). Every rank must call it.
+
+    Args:
+        module: A module ``fully_shard`` was applied to.
+
+    Raises:
+        NotAppliedError: ``fully_shard`` is not applied to ``module``.
+        ContractError: The application's hooks are gone (a copy of a sharded model).
     """
     _group_of(module).unshard()
 
 
 def reshard(module: nn.Module) -> None:
-    """Free the unsharded parameters of ``module``'s application and register the shards again."""
+    """Free the unsharded parameters of ``module``'s application and register the shards again.
+
+    Args:
+        module: A module ``fully_shard`` was applied to.
+
+    Raises:
+        NotAppliedError: ``fully_shard`` is not applied to ``module``.
+        ContractError: The application's hooks are gone (a copy of a sharded model).
+    """
     _group_of(module).reshard()
 
 

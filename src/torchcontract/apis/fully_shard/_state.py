@@ -19,15 +19,22 @@ def _mesh_repr(mesh: DeviceMesh | None) -> str:
 class FullyShardState:
     """The record of ``fully_shard`` on a module (shared by every module of a list).
 
-    ``mesh``: the 1-D mesh parameters are sharded over. ``managed``: the FQNs,
-    relative to the module that holds them, of the parameters this application
-    shards (a tied parameter once, under its first name; parameters a nested
-    application manages are not listed). ``reshard_after_forward``: as FSDP2 reads
-    it, True, False or None (an int is recorded as the bool it means).
-    ``param_dtype`` and ``reduce_dtype``: the arguments of the apply.
-    ``forwards``: forward calls of the module(s) so far. ``backwards``: backward
-    passes whose gradients this application reduce-scattered. ``sync_gradients``:
-    False while gradients only accumulate locally (``torchcontract.apis.no_sync``).
+    The unsharded tensors, the phase of the iteration and the root live in a group
+    that only the hooks hold, not here.
+
+    Attributes:
+        mesh: The 1-D mesh parameters are sharded over.
+        managed: The FQNs, relative to the module that holds them, of the parameters
+            this application shards (a tied parameter once, under its first name;
+            parameters a nested application manages are not listed).
+        reshard_after_forward: As FSDP2 reads it, True, False or None (an int is
+            recorded as the bool it means).
+        param_dtype: The ``param_dtype`` of the apply.
+        reduce_dtype: The ``reduce_dtype`` of the apply.
+        forwards: Forward calls of the module(s) so far.
+        backwards: Backward passes whose gradients this application reduce-scattered.
+        sync_gradients: False while gradients only accumulate locally
+            (``torchcontract.apis.no_sync``).
     """
 
     mesh: DeviceMesh | None = attrs.field(default=None, repr=_mesh_repr)
