@@ -65,6 +65,13 @@ def test_the_pages_that_show_code_are_run() -> None:
     } <= names
 
 
+def test_the_readme_links_into_the_site() -> None:
+    links = re.findall(r"\]\((docs/[^)#]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    assert "docs/getting-started.md" in links
+    assert "docs/reference/torchcontract.md" in links
+    assert [link for link in links if not (ROOT / link).is_file()] == []
+
+
 def _reference_entries() -> dict[str, object]:
     """The objects the API reference documents, by the path each ``:::`` entry names."""
     text = "\n".join(page.read_text() for page in sorted((DOCS / "reference").glob("*.md")))
