@@ -112,10 +112,13 @@ class ModuleTable(Generic[_K, _V]):
         with WRITE_LOCK:
             column = self._columns.get(id(key))
             if column is None:
-                # list(): a module dying mid-walk drops its row from _slots.
+                # A copy: a module dying mid-walk drops its row from _slots. dict.copy()
+                # allocates no object per row, so no garbage collection (and no weak
+                # reference callback dropping a row) can run inside it, as one can
+                # inside list(items()), which makes a tuple per row.
                 column = self._columns[id(key)] = {
                     module_id: slot.items[key]
-                    for module_id, slot in list(self._slots.items())
+                    for module_id, slot in self._slots.copy().items()
                     if key in slot.items
                 }
                 self._column_keys[id(key)] = _new_key_ref(key, self._drop_column)
