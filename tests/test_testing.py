@@ -60,6 +60,9 @@ def _wait_for(path: Path) -> None:
 def _exit_after_a_peer_failed(rank: int, world_size: int, directory: str) -> None:
     """Rank 0 fails first, with what gloo raises when a peer leaves; then rank 1 exits."""
     marker = Path(directory, "rank0-failed")
+    # Both ranks have joined the group before rank 0 fails: a rank still joining when its
+    # peer leaves fails there itself, with a peer's error, and the scenario is lost.
+    dist.barrier()
     if rank == 0:
         marker.touch()
         raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer")
@@ -71,6 +74,7 @@ def _exit_after_a_peer_failed(rank: int, world_size: int, directory: str) -> Non
 def _raise_after_a_peer_failed(rank: int, world_size: int, directory: str) -> None:
     """Rank 0 fails first with a peer's connection error; then rank 1's function raises."""
     marker = Path(directory, "rank0-failed")
+    dist.barrier()  # as above: both ranks are in the group before rank 0 fails
     if rank == 0:
         marker.touch()
         raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1")
