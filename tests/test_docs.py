@@ -82,7 +82,15 @@ def _reference_entries() -> dict[str, object]:
     return entries
 
 
-PUBLIC_MODULES = [torchcontract, torchcontract.apis, torchcontract.testing]
+#: The packages whose ``__all__`` is public (``torchcontract.apis.fully_shard`` is also
+#: the name of the API, so the packages of the APIs are imported by name).
+PUBLIC_MODULES = [
+    torchcontract,
+    torchcontract.apis,
+    torchcontract.testing,
+    importlib.import_module("torchcontract.apis.fully_shard"),
+    importlib.import_module("torchcontract.apis.replicate"),
+]
 
 
 @pytest.mark.parametrize("module", PUBLIC_MODULES, ids=lambda module: module.__name__)

@@ -14,13 +14,14 @@ import importlib
 import sys
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -229,7 +230,7 @@ def test_reshard_after_forward_one_means_false_and_warns_at_the_caller(mesh: Dev
     assert [warning.filename for warning in caught] == [__file__]
 
 
-@pytest.mark.parametrize("name", ["param_dtype", "reduce_dtype"])
+@pytest.mark.parametrize("name", ["param_dtype", "reduce_dtype", "output_dtype"])
 @pytest.mark.parametrize(
     ("value", "error", "message"),
     [
@@ -244,9 +245,9 @@ def test_a_dtype_argument_is_checked_naming_it(
     assert _refused(
         nn.Linear(4, 4),
         error,
-        rf"fully_shard on Linear: {name} {message}",
+        rf"fully_shard on Linear: mp_policy.{name} {message}",
         mesh=mesh,
-        **{name: value},
+        mp_policy=MixedPrecisionPolicy(**cast(dict[str, Any], {name: value})),
     )
 
 

@@ -119,8 +119,7 @@ def _options(mixed: bool, keep: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     ours: dict[str, Any] = {}
     theirs: dict[str, Any] = {}
     if mixed:
-        ours.update(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        theirs["mp_policy"] = MixedPrecisionPolicy(
+        ours["mp_policy"] = theirs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
     if keep:

@@ -104,12 +104,8 @@ def _cast_before_training(
     ours_options: dict[str, Any] = {}
     theirs_options: dict[str, Any] = {}
     if mixed:
-        ours_options = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
-        theirs_options = {
-            "mp_policy": MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
-            )
-        }
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        ours_options = theirs_options = {"mp_policy": policy}
     ours = _shard(gpt(), fully_shard, mesh, **ours_options)
     theirs = _shard(gpt(), torch_fully_shard, mesh, **theirs_options)
     cast(ours)
@@ -242,15 +238,9 @@ def _meta(rank: int, mesh: DeviceMesh) -> Results:
 COMPILE_VARIANTS = ("model", "blocks", "mixed")
 
 
-def _compile_options(variant: str, ours: bool) -> dict[str, Any]:
+def _compile_options(variant: str) -> dict[str, Any]:
     if variant != "mixed":
         return {}
-    if ours:
-        return {
-            "param_dtype": torch.bfloat16,
-            "reduce_dtype": torch.float32,
-            "reshard_after_forward": False,
-        }
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return {"mp_policy": policy, "reshard_after_forward": False}
 
@@ -260,7 +250,7 @@ def _compiled(rank: int, mesh: DeviceMesh, apply: Shard_, variant: str) -> Resul
     torch._dynamo.reset()
     counters.clear()
     model = gpt()
-    options = _compile_options(variant, apply is fully_shard)
+    options = _compile_options(variant)
     for block in model.blocks:
         apply(block, mesh=mesh, **options)
         if variant == "blocks":
@@ -292,7 +282,7 @@ def _compile(rank: int, mesh: DeviceMesh) -> Results:
     found: Results = {}
     for variant in COMPILE_VARIANTS:
         found[f"ours_{variant}"] = _compiled(rank, mesh, fully_shard, variant)
-        eager = _shard(gpt(), fully_shard, mesh, **_compile_options(variant, ours=True))
+        eager = _shard(gpt(), fully_shard, mesh, **_compile_options(variant))
         found[f"eager_{variant}"] = _train(rank, eager, "sgd", range(3))[0]
         if REFERENCE_FULLY_SHARD_ON_CPU:
             found[f"theirs_{variant}"] = _compiled(rank, mesh, torch_fully_shard, variant)

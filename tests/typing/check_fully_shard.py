@@ -14,6 +14,8 @@ from typing import Any, assert_type
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import Shard
 
 from torchcontract import Contract
 from torchcontract.apis import FullyShardState, fully_shard, no_sync, reshard, unshard
@@ -36,8 +38,11 @@ assert_type(
         model,
         mesh=mesh,
         reshard_after_forward=None,
-        param_dtype=torch.bfloat16,
-        reduce_dtype=torch.float32,
+        shard_placement_fn=lambda parameter: Shard(0),
+        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        offload_policy=CPUOffloadPolicy(),
+        ignored_params=set(linear.parameters()),
+        dp_mesh_dims=None,
     ),
     nn.Sequential,
 )
@@ -45,10 +50,19 @@ assert_type(
 api: Contract[..., Any, FullyShardState] = fully_shard
 
 # Options are keyword-only and typed.
+
+
+def _dim(parameter: nn.Parameter) -> int:
+    return 0
+
+
 fully_shard(model, mesh)  # type: ignore[call-overload]
 fully_shard(model, mesh="cpu")  # type: ignore[call-overload]
-fully_shard(model, param_dtype="bfloat16")  # type: ignore[call-overload]
-fully_shard(model, reduce_dtype=32)  # type: ignore[call-overload]
+fully_shard(model, param_dtype=torch.bfloat16)  # type: ignore[call-overload]
+fully_shard(model, mp_policy=torch.bfloat16)  # type: ignore[call-overload]
+fully_shard(model, offload_policy=True)  # type: ignore[call-overload]
+fully_shard(model, ignored_params=list(linear.parameters()))  # type: ignore[call-overload]
+fully_shard(model, shard_placement_fn=_dim)  # type: ignore[arg-type]
 fully_shard(model, reshard_after_forward="yes")  # type: ignore[call-overload]
 fully_shard(model, process_group=None)  # type: ignore[call-overload]
 fully_shard((model, model))  # type: ignore[call-overload]
@@ -60,8 +74,11 @@ assert_type(record, FullyShardState)
 assert_type(record.mesh, DeviceMesh | None)
 assert_type(record.managed, tuple[str, ...])
 assert_type(record.reshard_after_forward, bool | None)
-assert_type(record.param_dtype, torch.dtype | None)
-assert_type(record.reduce_dtype, torch.dtype | None)
+assert_type(record.mp_policy, MixedPrecisionPolicy)
+assert_type(record.offload_policy, OffloadPolicy)
+assert_type(record.ignored, tuple[str, ...])
+assert_type(record.reshard_after_backward, bool)
+assert_type(record.gradient_divide_factor, float | None)
 assert_type(record.forwards, int)
 assert_type(record.backwards, int)
 assert_type(record.sync_gradients, bool)

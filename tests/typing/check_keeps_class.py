@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import TypeVar, assert_type
 
+import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from torchcontract import EmptyState, ModuleContract, ModuleListContract, contract
 from torchcontract.apis import (
@@ -89,7 +91,9 @@ checkpointing: ModuleContract[..., CheckpointState] = checkpoint
 # __wrapped__ is the API function, typed with its options.
 assert_type(fully_shard.__wrapped__, FullyShardFunction)
 fully_shard.__wrapped__(net, reshard_after_forward=False)
-fully_shard.__wrapped__(net, reshard_after_forward=None)  # type: ignore[arg-type]
+fully_shard.__wrapped__(net, reshard_after_forward=None, mp_policy=MixedPrecisionPolicy())
+fully_shard.__wrapped__(net, reshard_after_forward="yes")  # type: ignore[arg-type]
+fully_shard.__wrapped__(net, param_dtype=torch.bfloat16)  # type: ignore[call-arg]
 replicate.__wrapped__(net, bucket_cap_mb=1.0)
 replicate.__wrapped__(net, bucket_cap_mb="1")  # type: ignore[arg-type]
 checkpoint.__wrapped__(net, use_reentrant=True)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from ._api import FullyShardAPI, FullyShardFunction, fully_shard, reshard, unshard
+from ._module import FullyShardModule
 from ._state import FullyShardState
 
 __all__ = [
     "FullyShardAPI",
     "FullyShardFunction",
+    "FullyShardModule",
     "FullyShardState",
     "fully_shard",
     "reshard",

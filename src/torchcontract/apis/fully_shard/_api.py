@@ -13,17 +13,18 @@ import contextlib
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Sequence, Set
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar, cast, overload
 
 import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.hooks import RemovableHandle
 
 import torchcontract
@@ -47,9 +48,13 @@ from ..replicate import replicate
 from ._group import ALL_GROUPS, ParamGroup
 from ._hooks import ForwardHooks
 from ._managed import MANAGED
+from ._module import fully_shard_class, restore_class
 from ._sharding import Location, ManagedParameter
 from ._state import FullyShardState
 from ._state_dict import register_state_dict_hooks
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import DataParallelMeshDims
 
 __all__ = [
     "FullyShardAPI",
@@ -94,10 +99,14 @@ def _shown(value: object) -> str:
 
 def _check_arguments(
     target: nn.Module,
+    *,
     mesh: object,
     reshard_after_forward: object,
-    param_dtype: object,
-    reduce_dtype: object,
+    mp_policy: object,
+    offload_policy: object,
+    shard_placement_fn: object,
+    ignored_params: object,
+    dp_mesh_dims: object,
 ) -> None:
     """Raise ``TypeError`` naming the argument for one of a wrong type, before anything else."""
     if mesh is not None and not isinstance(mesh, DeviceMesh):
@@ -112,19 +121,99 @@ def _check_arguments(
             f"int or None, got {_shown(reshard_after_forward)}; pass True to free the "
             "parameters after forward, False to keep them, None for FSDP2's default"
         )
-    for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"fully_shard on {_label(target)}: mp_policy must be a torch.distributed.fsdp."
+            f"MixedPrecisionPolicy, got {_shown(mp_policy)}; pass e.g. "
+            "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
+        )
+    for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype: object = getattr(mp_policy, name)
         if dtype is None:
             continue
         if not isinstance(dtype, torch.dtype):
             raise TypeError(
-                f"fully_shard on {module_label(target)}: {name} must be a torch.dtype or None, "
+                f"fully_shard on {_label(target)}: mp_policy.{name} must be a torch.dtype or None, "
                 f"got {_shown(dtype)}; pass e.g. {name}=torch.bfloat16"
             )
         if not dtype.is_floating_point:
             raise ValueError(
-                f"fully_shard on {module_label(target)}: {name} must be a floating-point dtype, "
-                f"got {dtype}; pass e.g. {name}=torch.bfloat16, or None"
+                f"fully_shard on {_label(target)}: mp_policy.{name} must be a floating-point "
+                f"dtype, got {dtype}; pass e.g. {name}=torch.bfloat16, or None"
             )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"fully_shard on {_label(target)}: offload_policy must be a torch.distributed.fsdp."
+            f"OffloadPolicy, got {_shown(offload_policy)}; pass OffloadPolicy() or "
+            "CPUOffloadPolicy()"
+        )
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(
+            f"fully_shard on {_label(target)}: shard_placement_fn must be callable or None, got "
+            f"{_shown(shard_placement_fn)}; pass a function of a parameter returning Shard(0) "
+            "or None"
+        )
+    if ignored_params is not None and not _is_parameter_set(ignored_params):
+        raise TypeError(
+            f"fully_shard on {_label(target)}: ignored_params must be a set of nn.Parameter or "
+            f"None, got {_shown(ignored_params)}; pass e.g. ignored_params={{model.head.weight}}"
+        )
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            f"fully_shard on {_label(target)}: dp_mesh_dims (parameters already DTensors on a "
+            "full SPMD mesh) is not supported; pass a data-parallel mesh as mesh= and plain "
+            "parameters"
+        )
+
+
+def _is_parameter_set(value: object) -> bool:
+    if not isinstance(value, set | frozenset):
+        return False
+    items = cast("set[object] | frozenset[object]", value)
+    return all(isinstance(item, nn.Parameter) for item in items)
+
+
+def _label(target: nn.Module) -> str:
+    return module_label(target)
+
+
+def _check_offload(target: nn.Module, policy: OffloadPolicy, mesh: DeviceMesh) -> None:
+    """Accept ``CPUOffloadPolicy`` on a CPU mesh (the shards are on CPU already), refuse it else."""
+    if isinstance(policy, CPUOffloadPolicy) and mesh.device_type != "cpu":
+        raise NotImplementedError(
+            f"fully_shard on {module_label(target)}: offload_policy=CPUOffloadPolicy() on a "
+            f"{mesh.device_type!r} mesh is not supported (keeping the shards, their gradients and "
+            "the optimizer step on CPU between uses); pass offload_policy=OffloadPolicy(), or a "
+            "CPU mesh"
+        )
+
+
+def _check_placements(
+    target: nn.Module, found: Sequence[_Found], placement_fn: Callable[[nn.Parameter], object]
+) -> None:
+    """Ask ``placement_fn`` each parameter's placement; refuse anything but dim 0.
+
+    ``None`` and ``Shard(0)`` (or ``Shard(-ndim)``) are dim 0. Another dim raises
+    ``NotImplementedError``, any other value ``TypeError``.
+    """
+    for item in found:
+        placement = placement_fn(item.parameter)
+        if placement is None:
+            continue
+        if type(placement) is Shard:
+            given: int = cast(Any, placement).dim  # Shard.dim is untyped for pyright
+            if (given + item.parameter.dim() if given < 0 else given) == 0:
+                continue
+            raise NotImplementedError(
+                f"fully_shard on {module_label(target)}: shard_placement_fn returned "
+                f"Shard({given}) for parameter {item.fqn!r}; only dim 0 is supported "
+                "(sharding on another dim is not implemented): return Shard(0) or None"
+            )
+        raise TypeError(
+            f"fully_shard on {module_label(target)}: shard_placement_fn returned "
+            f"{_shown(placement)} for parameter {item.fqn!r}; return Shard(0) or None (a "
+            "ShardPlacementResult with its own mesh is not supported)"
+        )
 
 
 def _check_mesh(target: nn.Module, mesh: DeviceMesh) -> None:
@@ -181,23 +270,32 @@ def _caller_level() -> int:
     return level
 
 
-def _find_parameters(targets: Sequence[nn.Module]) -> list[_Found]:
+def _find_parameters(
+    targets: Sequence[nn.Module], ignored: Set[int], skipped: list[str]
+) -> list[_Found]:
     """The parameters under ``targets`` that no nested application manages, validated.
 
     Raises ``AlreadyManagedError`` for a parameter another application manages
     (one not nested in the targets, or a nested one that does not reach every
     module sharing the parameter) or that is already a DTensor; ``ContractError``
-    for a 0-d one. Reads only: nothing is changed. One index lookup per parameter,
+    for a 0-d one. Parameters whose ids are in ``ignored`` are left out, their first FQNs appended
+    to ``skipped``. Reads only: nothing is changed. One index lookup per parameter,
     and error text only for an error: the cost is linear in the targets' modules
     and parameters, whatever else is sharded.
     """
     inside: set[int] | None = None  # ids of the targets' modules, once a managed one is found
     nested: dict[int, bool] = {}  # by group id: whether one of its modules is inside
     found: dict[int, _Found] = {}
+    seen_ignored: set[int] = set()
     for target in targets:
         for prefix, module in named_tree(target):
             for name, parameter in module._parameters.items():
                 if parameter is None:
+                    continue
+                if ignored and id(parameter) in ignored:
+                    if id(parameter) not in seen_ignored:
+                        seen_ignored.add(id(parameter))
+                        skipped.append(_fqn(prefix, name))
                     continue
                 manager = MANAGED.manager(module, name, parameter)
                 if manager is not None:
@@ -267,6 +365,10 @@ def _owner(group: ParamGroup) -> str:
 
 _M = TypeVar("_M", bound=nn.Module)
 
+#: FSDP2's defaults (frozen dataclasses: one shared instance is safe).
+_NO_MIXED_PRECISION: Final = MixedPrecisionPolicy()
+_NO_OFFLOAD: Final = OffloadPolicy()
+
 
 class FullyShardFunction(Protocol):
     """The signature of the function behind ``fully_shard``: ``fully_shard.__wrapped__``."""
@@ -277,9 +379,12 @@ class FullyShardFunction(Protocol):
         /,
         *,
         mesh: DeviceMesh | None = ...,
-        reshard_after_forward: bool = ...,
-        param_dtype: torch.dtype | None = ...,
-        reduce_dtype: torch.dtype | None = ...,
+        reshard_after_forward: bool | int | None = ...,
+        shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+        mp_policy: MixedPrecisionPolicy = ...,
+        offload_policy: OffloadPolicy = ...,
+        ignored_params: set[nn.Parameter] | None = ...,
+        dp_mesh_dims: DataParallelMeshDims | None = ...,
     ) -> None: ...
 
 
@@ -304,8 +409,11 @@ if TYPE_CHECKING:
             *,
             mesh: DeviceMesh | None = ...,
             reshard_after_forward: bool | int | None = ...,
-            param_dtype: torch.dtype | None = ...,
-            reduce_dtype: torch.dtype | None = ...,
+            shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+            mp_policy: MixedPrecisionPolicy = ...,
+            offload_policy: OffloadPolicy = ...,
+            ignored_params: set[nn.Parameter] | None = ...,
+            dp_mesh_dims: DataParallelMeshDims | None = ...,
         ) -> _M: ...
         @overload
         def __call__(
@@ -315,8 +423,11 @@ if TYPE_CHECKING:
             *,
             mesh: DeviceMesh | None = ...,
             reshard_after_forward: bool | int | None = ...,
-            param_dtype: torch.dtype | None = ...,
-            reduce_dtype: torch.dtype | None = ...,
+            shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+            mp_policy: MixedPrecisionPolicy = ...,
+            offload_policy: OffloadPolicy = ...,
+            ignored_params: set[nn.Parameter] | None = ...,
+            dp_mesh_dims: DataParallelMeshDims | None = ...,
         ) -> list[_M]: ...
         def __call__(self, module: nn.Module | list[Any], /, **kwargs: Any) -> Any: ...
 
@@ -344,66 +455,70 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    param_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION,
+    offload_policy: OffloadPolicy = _NO_OFFLOAD,
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> None:
     """Shard the parameters of ``module`` (or of a list of modules, as one group) over ``mesh``.
 
-    Every parameter under the module(s) that no earlier, nested ``fully_shard``
-    manages becomes an ``nn.Parameter`` holding a ``DTensor`` sharded on dim 0
-    (``Shard(0)``, padded where dim 0 does not divide), under the same FQNs. Its
-    forward all-gathers them first; backward gathers them again if freed and
-    reduce-scatters the gradients, averaged over the mesh, into the sharded
-    parameters' ``.grad``. ``reshard_after_forward`` as in FSDP2: ``None`` frees
-    the parameters after forward except on the root (the first application to
-    run forward), ``True`` always, ``False`` never; an int is the world size to
-    reshard to (1 means False, the mesh's size True). ``param_dtype`` is the
-    dtype of the gathered parameters and of floating inputs; ``reduce_dtype`` the
-    dtype gradients are reduced in (default: their own), as ``MixedPrecisionPolicy``.
+    FSDP2's ``fully_shard``, with its keywords, defaults and meanings. Every
+    parameter under the module(s) that no earlier, nested ``fully_shard`` manages
+    and that is not in ``ignored_params`` becomes an ``nn.Parameter`` holding a
+    ``DTensor`` sharded on dim 0 (``Shard(0)``, padded where dim 0 does not
+    divide), under the same FQNs. Each module (each outer one of a list) becomes
+    an instance of ``FSDP<Class>``, a subclass of ``torch.distributed.fsdp.FSDPModule``
+    and of its class, whose ``FSDPModule`` methods act on this application. Its
+    forward all-gathers the parameters first; backward gathers them again if
+    freed and reduce-scatters the gradients, averaged over the mesh, into the
+    sharded parameters' ``.grad``. ``reshard_after_forward`` as in FSDP2: ``None``
+    frees the parameters after forward except on the root (the first application
+    to run forward), ``True`` always, ``False`` never; an int is the world size to
+    reshard to (1 means False, the mesh's size True). ``mp_policy`` as FSDP2's
+    ``MixedPrecisionPolicy``: ``param_dtype`` for the gathered parameters (and the
+    floating inputs, if ``cast_forward_inputs``), ``reduce_dtype`` for gradient
+    reduction, ``output_dtype`` for the floating outputs. ``shard_placement_fn``
+    may return ``None`` or ``Shard(0)`` for each parameter. ``offload_policy``:
+    ``CPUOffloadPolicy`` on a CPU mesh changes nothing (the shards are on CPU).
 
     ``mesh`` defaults to a 1-D mesh over the default process group on the
     accelerator if there is one, else on CPU. Raises ``TypeError`` naming the
     argument for one of a wrong type; ``ValueError`` for an int
     ``reshard_after_forward`` that does not divide the mesh's size or a dtype that
     is not floating point; ``NotImplementedError`` for a divisor between 1 and the
-    mesh's size; ``InvalidMeshError`` (a ``ValueError``) for a mesh that is not
-    1-D; ``AlreadyManagedError`` for a parameter another application manages or
-    that is already a DTensor; ``ContractError`` without a process group or for
-    a 0-d parameter. Nothing is changed then. The cost is linear in the modules
-    and parameters of ``module``, whatever else is sharded and whatever the
-    world size.
-
-    Args:
-        module: A module, or a list of modules sharded as one group with one record.
-        mesh: A 1-D ``DeviceMesh`` to shard over; None for the default process group.
-        reshard_after_forward: Whether to free the gathered parameters after forward:
-            None (the root keeps them), True, False, or the world size to reshard to.
-        param_dtype: The dtype of the gathered parameters and of floating inputs.
-        reduce_dtype: The dtype gradients are reduced in.
-
-    Returns:
-        What it was given (the module, or the list), typed as given.
-
-    Raises:
-        TypeError: An argument is of the wrong type; the message names it.
-        ValueError: An int ``reshard_after_forward`` that does not divide the mesh's
-            size, or a dtype that is not floating point.
-        NotImplementedError: A ``reshard_after_forward`` between 1 and the mesh's size.
-        InvalidMeshError: The mesh is not 1-D.
-        AlreadyManagedError: A parameter is already a DTensor or managed by another
-            application.
-        ContractError: No process group is initialized, or a parameter is 0-d.
+    mesh's size, a placement on another dim than 0, ``dp_mesh_dims``, or
+    ``CPUOffloadPolicy`` on an accelerator mesh; ``InvalidMeshError`` (a
+    ``ValueError``) for a mesh that is not 1-D; ``AlreadyManagedError`` for a
+    parameter another application manages or that is already a DTensor;
+    ``ContractError`` without a process group or for a 0-d parameter. Nothing is
+    changed then, the modules' classes included. The cost is linear in the
+    modules and parameters of ``module``, whatever else is sharded and whatever
+    the world size.
     """
     # A list's modules nested in one another: the outer ones hold the group, as the
     # contract's targets (hooks on an inner one would reshard in the outer's forward).
     targets = [module] if isinstance(module, nn.Module) else root_modules(module)
-    _check_arguments(targets[0], mesh, reshard_after_forward, param_dtype, reduce_dtype)
+    _check_arguments(
+        targets[0],
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        shard_placement_fn=shard_placement_fn,
+        ignored_params=ignored_params,
+        dp_mesh_dims=dp_mesh_dims,
+    )
     mesh = _default_mesh(targets[0]) if mesh is None else mesh
     _check_mesh(targets[0], mesh)
+    _check_offload(targets[0], offload_policy, mesh)
     resharding = _resharding(targets[0], reshard_after_forward, mesh)
-    found = _find_parameters(targets)
+    ignored: list[str] = []
+    found = _find_parameters(targets, {id(p) for p in ignored_params or ()}, ignored)
+    if shard_placement_fn is not None:
+        _check_placements(targets[0], found, shard_placement_fn)
     parameters = [
-        ManagedParameter(item.fqn, item.parameter, item.locations, mesh, param_dtype)
+        ManagedParameter(item.fqn, item.parameter, item.locations, mesh, mp_policy.param_dtype)
         for item in found
     ]
     group = ParamGroup(
@@ -412,12 +527,12 @@ def fully_shard(
         parameters,
         mesh.get_group(),
         reshard_after_forward=resharding,
-        reduce_dtype=reduce_dtype,
+        reduce_dtype=mp_policy.reduce_dtype,
     )
     # Validated: from here on nothing raises before the parameters are all swapped.
     for parameter in parameters:
         parameter.install(parameter.sharded)
-    hooks = ForwardHooks(group, param_dtype)
+    hooks = ForwardHooks(group, mp_policy)
     handles: list[RemovableHandle] = []
     for target in targets:
         handles.append(target.register_forward_pre_hook(hooks.before, with_kwargs=True))
@@ -425,7 +540,9 @@ def fully_shard(
     handles.extend(register_state_dict_hooks(group, targets))
     ALL_GROUPS.add(group)
     MANAGED.add(group)
-    on_rollback(_Undo(group, [item.parameter for item in found], handles))
+    on_rollback(_Undo(group, [item.parameter for item in found], handles, targets))
+    for target in targets:
+        target.__class__ = fully_shard_class(type(target))
     fully_shard.update(
         targets[0],
         lambda record: attrs.evolve(
@@ -433,14 +550,15 @@ def fully_shard(
             mesh=mesh,
             managed=tuple(item.fqn for item in found),
             reshard_after_forward=resharding,
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            ignored=tuple(ignored),
         ),
     )
 
 
 class _Undo:
-    """Put the original parameters back and remove the hooks, if the apply rolls back.
+    """Put the original parameters and classes back and remove the hooks, if the apply rolls back.
 
     The journal holds it only while the transaction is open, so it may hold the
     group and the original parameters strongly.
@@ -451,12 +569,16 @@ class _Undo:
         group: ParamGroup,
         originals: list[nn.Parameter],
         handles: list[RemovableHandle],
+        targets: list[nn.Module],
     ) -> None:
         self._group = group
         self._originals = originals
         self._handles = handles
+        self._targets = targets
 
     def __call__(self) -> None:
+        for target in self._targets:
+            restore_class(target)
         for handle in self._handles:
             handle.remove()
         ALL_GROUPS.discard(self._group)
@@ -477,28 +599,14 @@ def unshard(module: nn.Module) -> None:
     """All-gather the parameters ``fully_shard`` manages on ``module`` and register them.
 
     They stay unsharded until ``reshard(module)`` (or the end of the next
-    backward). Every rank must call it.
-
-    Args:
-        module: A module ``fully_shard`` was applied to.
-
-    Raises:
-        NotAppliedError: ``fully_shard`` is not applied to ``module``.
-        ContractError: The application's hooks are gone (a copy of a sharded model).
+    backward). Every rank must call it. Raises ``NotAppliedError`` if
+    ``fully_shard`` is not applied to ``module``.
     """
     _group_of(module).unshard()
 
 
 def reshard(module: nn.Module) -> None:
-    """Free the unsharded parameters of ``module``'s application and register the shards again.
-
-    Args:
-        module: A module ``fully_shard`` was applied to.
-
-    Raises:
-        NotAppliedError: ``fully_shard`` is not applied to ``module``.
-        ContractError: The application's hooks are gone (a copy of a sharded model).
-    """
+    """Free the unsharded parameters of ``module``'s application and register the shards again."""
     _group_of(module).reshard()
 
 

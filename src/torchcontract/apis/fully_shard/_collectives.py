@@ -8,7 +8,7 @@ the flat buffer holds every parameter's ``r``-th padded shard, in order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,8 @@ def reduce_scatter(
     grads: Sequence[Tensor],
     group: dist.ProcessGroup,
     reduce_dtype: torch.dtype | None,
+    *,
+    hook: Callable[[Tensor], None] | None = None,
 ) -> None:
     """Average ``grads`` (unsharded, one per parameter) over ``group`` into the sharded ``.grad``.
 
@@ -69,6 +71,7 @@ def reduce_scatter(
             [grads[index] for index in same_dtype],
             group,
             dtypes[same_dtype[0]],
+            hook,
         )
 
 
@@ -77,6 +80,7 @@ def _reduce_scatter_one_dtype(
     grads: Sequence[Tensor],
     group: dist.ProcessGroup,
     dtype: torch.dtype,
+    hook: Callable[[Tensor], None] | None,
 ) -> None:
     world = group.size()
     columns = torch.cat(
@@ -91,6 +95,8 @@ def _reduce_scatter_one_dtype(
         _torch.reduce_scatter_average(reduced, columns.reshape(-1), group)
     else:
         reduced.copy_(columns.reshape(-1))
+    if hook is not None:
+        hook(reduced)
     offset = 0
     for parameter in parameters:
         width = parameter.padded_shard_numel

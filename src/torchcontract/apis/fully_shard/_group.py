@@ -170,7 +170,9 @@ class ParamGroup:
         if self.phase is not Phase.PRE_BACKWARD:
             self.phase = Phase.PRE_BACKWARD
             self.queue_finish()
-            self.unshard()
+            record = self.record()
+            if record is None or record.unshard_in_backward:
+                self.unshard()
         return grad
 
     def queue_finish(self) -> None:
@@ -186,24 +188,34 @@ class ParamGroup:
         reduces nothing.
         """
         self.phase = Phase.POST_BACKWARD
-        record = self.record()
-        if record is not None and not record.sync_gradients:
+        record = self.record() or FullyShardState()
+        if not record.sync_gradients:
             for parameter in self.parameters:
                 parameter.keep_unsharded_grad(self.reduce_dtype)
-            self.reshard()
+            if record.reshard_after_backward:
+                self.reshard()
             return
-        pairs = [
-            (parameter, grad)
-            for parameter in self.parameters
-            if (grad := parameter.take_unsharded_grad()) is not None
-        ]
-        self.reshard()
+        pairs: list[tuple[ManagedParameter, Tensor]] = []
+        for parameter in self.parameters:
+            grad = parameter.take_unsharded_grad()
+            if grad is None and record.reduce_scatter_unused_params:
+                grad = parameter.unsharded_zero_grad()
+            if grad is not None:
+                pairs.append((parameter, grad))
+        if record.reshard_after_backward:
+            self.reshard()
         if pairs:
+            grads = [grad for _, grad in pairs]
+            factor = record.gradient_divide_factor
+            if factor is not None:  # the sum divided by factor, not by the mesh's size
+                scale = self.process_group.size() / factor
+                grads = [grad * scale for grad in grads]
             reduce_scatter(
                 [parameter for parameter, _ in pairs],
-                [grad for _, grad in pairs],
+                grads,
                 self.process_group,
                 self.reduce_dtype,
+                hook=record.all_reduce_hook,
             )
             self.reduced = True
 

@@ -18,11 +18,12 @@ update, so it neither breaks its graph on them nor specialises on a parameter.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Final, cast
+from typing import Any, Final, TypeVar, cast
 
 import attrs
 import torch
 from torch import Tensor, nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils import _pytree as pytree
 
 from torchcontract import IncompatibleAPIError, module_label, named_tree, torch_registry
@@ -45,11 +46,11 @@ class ForwardHooks:
     its ``self``, so the copy must be of this class.)
     """
 
-    __slots__ = ("group", "param_dtype")
+    __slots__ = ("group", "mp_policy")
 
-    def __init__(self, group: ParamGroup | None, param_dtype: torch.dtype | None) -> None:
+    def __init__(self, group: ParamGroup | None, mp_policy: MixedPrecisionPolicy | None) -> None:
         self.group = group
-        self.param_dtype = param_dtype
+        self.mp_policy = mp_policy
 
     def __reduce__(self) -> tuple[type[ForwardHooks], tuple[None, None]]:
         return ForwardHooks, (None, None)
@@ -73,7 +74,9 @@ class ForwardHooks:
         group = self._group_for(module)
         if group is None:
             return None
-        args, kwargs = self._cast((args, kwargs))
+        policy = self.mp_policy
+        if policy is not None and policy.cast_forward_inputs:
+            args, kwargs = _cast((args, kwargs), policy.param_dtype)
         if _in_backward():  # a checkpoint recomputing the forward: gathered by pre-backward
             group.unshard()
             return args, kwargs
@@ -95,10 +98,16 @@ class ForwardHooks:
 
     @_torch.outside_compile
     def after(self, module: nn.Module, args: tuple[Any, ...], output: object) -> object:
-        """Forward hook: reshard (unless root), hook the outputs for the pre-backward."""
+        """Forward hook: reshard (unless root), hook the outputs for the pre-backward.
+
+        Floating outputs are cast to the policy's ``output_dtype``, if set (FSDP2's).
+        """
         group = self._group_for(module)
         if group is None or _in_backward():
             return None
+        policy = self.mp_policy
+        if policy is not None and policy.output_dtype is not None:
+            output = _cast(output, policy.output_dtype)
         if group.reshards_after_forward:
             group.reshard()
         group.phase = Phase.IDLE
@@ -106,20 +115,22 @@ class ForwardHooks:
             for leaf in pytree.tree_leaves(output):
                 if isinstance(leaf, Tensor) and leaf.requires_grad:
                     _torch.register_tensor_hook(leaf, group.pre_backward)
-        return None
+        return output if policy is not None and policy.output_dtype is not None else None
 
-    def _cast(self, tree: _Inputs) -> _Inputs:
-        """Cast floating tensors among the inputs to ``param_dtype``, as FSDP2 does by default."""
-        dtype = self.param_dtype
-        if dtype is None:
-            return tree
-        leaves, spec = pytree.tree_flatten(tree)
-        cast_leaves = [
-            leaf.to(dtype) if isinstance(leaf, Tensor) and leaf.is_floating_point() else leaf
-            for leaf in leaves
-        ]
-        args, kwargs = pytree.tree_unflatten(cast_leaves, spec)
-        return cast(tuple[Any, ...], args), cast(dict[str, Any], kwargs)
+
+_Tree = TypeVar("_Tree")
+
+
+def _cast(tree: _Tree, dtype: torch.dtype | None) -> _Tree:
+    """Cast the floating tensors in ``tree`` to ``dtype`` (None: unchanged), as FSDP2 does."""
+    if dtype is None:
+        return tree
+    leaves, spec = pytree.tree_flatten(tree)
+    cast_leaves = [
+        leaf.to(dtype) if isinstance(leaf, Tensor) and leaf.is_floating_point() else leaf
+        for leaf in leaves
+    ]
+    return cast(_Tree, pytree.tree_unflatten(cast_leaves, spec))
 
 
 def _in_backward() -> bool:

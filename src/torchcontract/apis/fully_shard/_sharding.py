@@ -202,6 +202,13 @@ class ManagedParameter:
             accumulated.add_(grad)
         return accumulated
 
+    def unsharded_zero_grad(self) -> Tensor | None:
+        """Zeros as the unsharded gradient of a parameter gathered but unused (None if never)."""
+        unsharded = self.unsharded
+        if unsharded is None or not unsharded.requires_grad:
+            return None
+        return torch.zeros(self.shape, dtype=unsharded.dtype, device=unsharded.device)
+
     def keep_unsharded_grad(self, reduce_dtype: torch.dtype | None) -> None:
         """Keep the gradient for a later reduction, in ``reduce_dtype`` if that differs.
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
-import torch
+from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["FullyShardState"]
 
@@ -19,29 +22,34 @@ def _mesh_repr(mesh: DeviceMesh | None) -> str:
 class FullyShardState:
     """The record of ``fully_shard`` on a module (shared by every module of a list).
 
-    The unsharded tensors, the phase of the iteration and the root live in a group
-    that only the hooks hold, not here.
-
-    Attributes:
-        mesh: The 1-D mesh parameters are sharded over.
-        managed: The FQNs, relative to the module that holds them, of the parameters
-            this application shards (a tied parameter once, under its first name;
-            parameters a nested application manages are not listed).
-        reshard_after_forward: As FSDP2 reads it, True, False or None (an int is
-            recorded as the bool it means).
-        param_dtype: The ``param_dtype`` of the apply.
-        reduce_dtype: The ``reduce_dtype`` of the apply.
-        forwards: Forward calls of the module(s) so far.
-        backwards: Backward passes whose gradients this application reduce-scattered.
-        sync_gradients: False while gradients only accumulate locally
-            (``torchcontract.apis.no_sync``).
+    ``mesh``: the 1-D mesh parameters are sharded over. ``managed``: the FQNs,
+    relative to the module that holds them, of the parameters this application
+    shards (a tied parameter once, under its first name; parameters a nested
+    application manages are not listed). ``reshard_after_forward``: as FSDP2 reads
+    it, True, False or None (an int is recorded as the bool it means).
+    ``mp_policy`` and ``offload_policy``: the apply's policies, torch's classes.
+    ``ignored``: the FQNs of the ``ignored_params`` found under the module(s).
+    ``forwards``: forward calls of the module(s) so far. ``backwards``: backward
+    passes whose gradients this application reduce-scattered. ``sync_gradients``:
+    False while gradients only accumulate locally (``no_sync``,
+    ``set_requires_gradient_sync(False)``). The other fields are what the
+    ``FSDPModule`` setters of the same names set, with FSDP2's defaults.
     """
 
     mesh: DeviceMesh | None = attrs.field(default=None, repr=_mesh_repr)
     managed: tuple[str, ...] = ()
     reshard_after_forward: bool | None = None
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
+    mp_policy: MixedPrecisionPolicy = attrs.field(factory=MixedPrecisionPolicy)
+    offload_policy: OffloadPolicy = attrs.field(factory=OffloadPolicy)
+    ignored: tuple[str, ...] = ()
     forwards: int = 0
     backwards: int = 0
     sync_gradients: bool = True
+    reshard_after_backward: bool = True
+    unshard_in_backward: bool = True
+    requires_all_reduce: bool = True
+    gradient_divide_factor: float | None = None
+    force_sum_reduction: bool = False
+    reduce_scatter_unused_params: bool = False
+    is_last_backward: bool = True
+    all_reduce_hook: Callable[[Tensor], None] | None = None

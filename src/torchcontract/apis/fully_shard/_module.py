@@ -1,0 +1,367 @@
+"""FullyShardModule: what a module becomes under ``fully_shard``, an ``FSDPModule`` of its class.
+
+As FSDP2 does (``torch/distributed/fsdp/_fully_shard/_fsdp_init.py``), each module
+``fully_shard`` is applied to gets a class made once per original class and
+cached: ``FSDP<Name>(FullyShardModule, <Name>)``, where ``FullyShardModule``
+subclasses ``torch.distributed.fsdp.FSDPModule``. ``isinstance(m, FSDPModule)``
+holds, as does ``isinstance(m, <Name>)``; the contract's strict check accepts
+the swap (a subclass). The methods are ours and act on the application's record
+and group. A rolled-back apply puts the original class back. The class's
+``__name__`` is FSDP2's, ``FSDP<Name>`` (the module's repr shows it); its
+``__qualname__`` stays the original's, so that errors, which label modules by
+qualified name, keep naming the user's class.
+
+A deep copy or a pickle of such a module is of its original class: the copy's
+hooks stand aside (no process group copies), so it is not sharded by
+``fully_shard`` and must not claim to be.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, NoReturn, cast
+
+import attrs
+import torch
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule, UnshardHandle
+
+from torchcontract import ContractError, NotAppliedError, module_label
+
+from ._group import ParamGroup
+from ._hooks import ForwardHooks
+from ._managed import MANAGED
+from ._state import FullyShardState
+
+__all__ = ["FullyShardModule", "fully_shard_class", "restore_class"]
+
+_Transition = Callable[[FullyShardState], FullyShardState]
+
+
+class FullyShardModule(FSDPModule):
+    """The ``FSDPModule`` base of every class ``fully_shard`` swaps in; FSDP2's methods, ours.
+
+    Every method raises ``NotAppliedError`` on a module whose application is gone
+    (a rolled-back apply restores the class, so that happens only for a module
+    whose class was set by hand). Methods named in FSDP2 as ``recurse=True`` act
+    on every module with ``fully_shard`` applied inside this one, as FSDP2's.
+    """
+
+    # FSDPModule.__new__ builds the original class (a container indexed by a slice):
+    # in [FSDP<Name>, FullyShardModule, FSDPModule, <Name>] the original is at 3.
+    _orig_cls_mro_index: int = 3
+
+    # ----------------------------------------------------------------- gathering
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters, register the shards again. Not recursive."""
+        _group(self).reshard()
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather the parameters and register them until the next reshard. Not recursive.
+
+        ``async_op=True`` returns an ``UnshardHandle`` whose ``wait()`` returns at
+        once: the all-gather is synchronous here, done when this returns.
+        """
+        _group(self).unshard()
+        return UnshardHandle() if async_op else None
+
+    def reset_iter_state(self) -> None:
+        """After a forward or backward raised: reshard every group and forget the iteration.
+
+        Call it on the root (the module whose forward ran first). Raises
+        ``ContractError`` on any other module, as FSDP2 raises ``RuntimeError``.
+        """
+        group = _group(self)
+        root = group.root
+        if root is None or not group.is_root:
+            raise ContractError(
+                f"fully_shard on {_label(self)}: reset_iter_state must be called on the "
+                "root (the module whose forward ran first); call it on that module"
+            )
+        root.callback_queued = True  # start_iteration then resets every group
+        root.start_iteration()
+        for member in root.groups:
+            member.reshard()
+
+    # ----------------------------------------------------------------- settings
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last of a step (recorded on this application).
+
+        FSDP2 then waits for pending reductions and drops prefetch state; here each
+        reduction is done when its backward step returns, so nothing is pending.
+        """
+        _update(self, False, lambda record: attrs.evolve(record, is_last_backward=is_last_backward))
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """Whether backward reduce-scatters gradients (False: they accumulate locally)."""
+        value = requires_gradient_sync
+        _update(self, recurse, lambda record: attrs.evolve(record, sync_gradients=value))
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """Whether gradients are all-reduced over the replicate dim (HSDP).
+
+        Recorded; a 1-D mesh has no replicate dim, so no all-reduce happens either
+        way, as in FSDP2 on a 1-D mesh.
+        """
+        value = requires_all_reduce
+        _update(self, recurse, lambda record: attrs.evolve(record, requires_all_reduce=value))
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether forward frees the parameters after it; the root's too once set (as FSDP2).
+
+        Raises ``ValueError`` for a value that is not a bool, as FSDP2 does.
+        """
+        given = cast(object, reshard_after_forward)  # checked: callers are not all typed
+        if not isinstance(given, bool):
+            raise ValueError(
+                f"fully_shard on {_label(self)}: set_reshard_after_forward takes a bool, "
+                f"got {type(reshard_after_forward).__qualname__}; pass True or False"
+            )
+        for module in _applied(self, recurse):
+            _group(module).reshard_after_forward = reshard_after_forward
+        _update(
+            self,
+            recurse,
+            lambda record: attrs.evolve(record, reshard_after_forward=reshard_after_forward),
+        )
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """Whether backward frees the parameters after reducing their gradients.
+
+        False keeps them gathered for the next forward (gradient accumulation): as
+        in FSDP2, that forward then uses them as they are, not the optimizer's update.
+        """
+        _update(
+            self,
+            recurse,
+            lambda record: attrs.evolve(record, reshard_after_backward=reshard_after_backward),
+        )
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether backward gathers the parameters again (False: backward never reads them)."""
+        value = unshard_in_backward
+        _update(self, False, lambda record: attrs.evolve(record, unshard_in_backward=value))
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradients by ``factor`` instead of the mesh's size."""
+        _update(self, False, lambda record: attrs.evolve(record, gradient_divide_factor=factor))
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated in FSDP2 for ``set_gradient_divide_factor``; warns and sets that."""
+        warnings.warn("Use `set_gradient_divide_factor` instead", FutureWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Recorded; the reduce-scatter here always sums, then divides, whatever the value."""
+        _update(self, False, lambda record: attrs.evolve(record, force_sum_reduction=enable))
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Whether parameters without a gradient take part in the reduce-scatter, as zeros."""
+        _update(
+            self,
+            recurse,
+            lambda record: attrs.evolve(
+                record, reduce_scatter_unused_params=reduce_scatter_unused_params
+            ),
+        )
+
+    def set_all_reduce_hook(
+        self, hook: Callable[[Tensor], None], *, stream: torch.cuda.Stream | None = None
+    ) -> None:
+        """Call ``hook(reduce_output)`` on each reduce-scatter's output, in place, as FSDP2.
+
+        On a 1-D mesh (no all-reduce) FSDP2 calls it on the reduce-scatter's output;
+        so does this. ``stream`` is a CUDA stream: refused with
+        ``NotImplementedError`` (the collectives here run on the caller's stream).
+        """
+        if stream is not None:
+            _accelerator_only(self, "set_all_reduce_hook(stream=...)", "a CUDA stream")
+        _update(self, False, lambda record: attrs.evolve(record, all_reduce_hook=hook))
+
+    # ----------------------------------------------------------------- accelerator only
+
+    def set_post_optim_event(self, event: torch.Event) -> NoReturn:
+        """Refused: an event for CUDA all-gather streams, which these collectives do not use."""
+        _accelerator_only(self, "set_post_optim_event", "an event on the all-gather streams")
+
+    def set_custom_all_gather(self, comm: object) -> NoReturn:
+        """Refused: custom all-gather kernels and buffers (FSDP2's ``AllGather``)."""
+        _accelerator_only(self, "set_custom_all_gather", "a custom all-gather kernel")
+
+    def set_custom_reduce_scatter(self, comm: object) -> NoReturn:
+        """Refused: custom reduce-scatter kernels and buffers (FSDP2's ``ReduceScatter``)."""
+        _accelerator_only(self, "set_custom_reduce_scatter", "a custom reduce-scatter kernel")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> NoReturn:
+        """Refused: staging buffers from the process group's allocator (NCCL zero-copy)."""
+        _accelerator_only(
+            self,
+            "set_allocate_memory_from_process_group_for_comm",
+            "the process group's own allocator for staging buffers",
+        )
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> NoReturn:
+        """Refused: symmetric-memory staging buffers for NCCL all-gathers."""
+        _accelerator_only(self, "set_symm_mem_for_comm", "NCCL symmetric memory")
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> NoReturn:
+        """Refused: reduce-scatter buffers in flight on a separate stream."""
+        _accelerator_only(
+            self, "set_reduce_scatter_max_input_buffers", "reduce-scatter buffers in flight"
+        )
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> NoReturn:
+        """Refused: a second communicator to overlap reduce-scatter with all-gather."""
+        _accelerator_only(
+            self,
+            "set_separate_reduce_scatter_group",
+            "a reduce-scatter overlapping the all-gather",
+        )
+
+    # ----------------------------------------------------------------- torch's plumbing
+
+    def _get_fsdp_state(self) -> Any:
+        """What ``register_fsdp_forward_method`` calls: our forward hooks, as FSDP2's state."""
+        group = _group(self)
+        record = group.record()
+        policy = record.mp_policy if record is not None else None
+        return _ForwardMethodState(ForwardHooks(group, policy))
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # nn.Module's (or the original class's), not FSDPModule's, which reads FSDP2's state:
+        # casts and moves act on the registered tensors, and the group follows casts.
+        return cast(Any, super(FSDPModule, self))._apply(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Copies and pickles are of the original class (their hooks stand aside)."""
+        reduced = super().__reduce_ex__(protocol)
+        if not isinstance(reduced, tuple) or len(reduced) < 2:
+            return reduced
+        arguments = cast(tuple[Any, ...], reduced[1])
+        if not arguments or arguments[0] is not type(self):
+            return reduced
+        # copyreg.__newobj__ insists on the object's own class; this builds the original.
+        original = original_class(cast("type[nn.Module]", type(self)))
+        return (_new_object, (original, *arguments[1:]), *reduced[2:])
+
+
+def _new_object(cls: type[Any], *args: object) -> object:
+    """``cls.__new__(cls, *args)``: how a copy or an unpickled module is made."""
+    return cls.__new__(cls, *args)
+
+
+class _ForwardMethodState:
+    """FSDP2's ``FSDPState`` as ``register_fsdp_forward_method`` uses it: two calls, no fields."""
+
+    __slots__ = ("_hooks",)
+
+    def __init__(self, hooks: ForwardHooks) -> None:
+        self._hooks = hooks
+
+    def _pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        result = self._hooks.before(module, args, kwargs)
+        return (args, kwargs) if result is None else result
+
+    def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: object) -> object:
+        result = self._hooks.after(module, args, output)
+        return output if result is None else result
+
+
+_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+_ORIGINALS: dict[type[nn.Module], type[nn.Module]] = {}
+_LOCK = threading.Lock()
+
+
+def fully_shard_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """``FSDP<Name>(FullyShardModule, cls)``, made once per class (thread-safe)."""
+    if issubclass(cls, FullyShardModule):
+        return cls
+    with _LOCK:
+        made = _CLASSES.get(cls)
+        if made is None:
+            made = cast(
+                "type[nn.Module]",
+                type(
+                    f"FSDP{cls.__name__}",
+                    (FullyShardModule, cls),
+                    {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
+                ),
+            )
+            _CLASSES[cls] = made
+            _ORIGINALS[made] = cls
+    return made
+
+
+def original_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """The class ``fully_shard_class`` made ``cls`` from (``cls`` itself if none)."""
+    return _ORIGINALS.get(cls, cls)
+
+
+def restore_class(module: nn.Module) -> None:
+    """Give ``module`` back the class it had before ``fully_shard`` swapped it."""
+    module.__class__ = original_class(type(module))
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _group(module: object) -> ParamGroup:
+    """The group of ``module``'s application; ``NotAppliedError`` if there is none."""
+    target = cast(nn.Module, module)
+    group = MANAGED.group_of(target)
+    if group is None or group.record() is None:
+        raise NotAppliedError(
+            f"fully_shard is not applied to {module_label(target)} (its class says it was, but "
+            "its application is gone); apply fully_shard to it first"
+        )
+    return group
+
+
+def _applied(module: object, recurse: bool) -> Iterator[nn.Module]:
+    """``module``, or with ``recurse`` every module inside it that is a ``FullyShardModule``."""
+    _group(module)  # NotAppliedError if not applied
+    root = cast(nn.Module, module)
+    if not recurse:
+        yield root
+        return
+    for inner in root.modules():
+        if isinstance(inner, FullyShardModule):
+            yield inner
+
+
+def _update(module: object, recurse: bool, transition: _Transition) -> None:
+    """Apply ``transition`` to the record of each application ``_applied`` finds, once each."""
+    seen: set[int] = set()
+    for inner in _applied(module, recurse):
+        group = MANAGED.group_of(inner)
+        if group is not None and id(group) not in seen:
+            seen.add(id(group))
+            group.update(transition)
+
+
+def _label(module: object) -> str:
+    return module_label(cast(nn.Module, module))
+
+
+def _accelerator_only(module: object, method: str, what: str) -> NoReturn:
+    raise NotImplementedError(
+        f"fully_shard on {_label(module)}: {method} is not supported: it "
+        f"configures {what}, which only an accelerator's collectives use; these collectives run "
+        "synchronously on the caller's stream. Remove the call"
+    )

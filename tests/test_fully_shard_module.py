@@ -1,0 +1,311 @@
+"""fully_shard's modules as FSDPModules, and its FSDP2 keywords, in one process.
+
+Over PyTorch's fake process group of 2 ranks: what needs no numbers (classes,
+methods, copies, refusals). The numbers, against FSDP2 on 2 gloo ranks, are in
+``tests/distributed/test_fully_shard_module_gloo.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    UnshardHandle,
+)
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from torchcontract import ContractError, NotAppliedError, contract
+from torchcontract.apis import fully_shard
+from torchcontract.apis.fully_shard import FullyShardModule
+
+#: FSDPModule's public methods that ours leaves to FSDP2's (wired with prefetching).
+NOT_YET_OURS = {"set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch"}
+
+#: The methods refused with NotImplementedError: only an accelerator's collectives use them.
+ACCELERATOR_ONLY: dict[str, Callable[[Any], object]] = {
+    "set_post_optim_event": lambda module: fsdp(module).set_post_optim_event(torch.Event()),
+    "set_custom_all_gather": lambda module: fsdp(module).set_custom_all_gather(object()),
+    "set_custom_reduce_scatter": lambda module: fsdp(module).set_custom_reduce_scatter(object()),
+    "set_allocate_memory_from_process_group_for_comm": lambda module: fsdp(
+        module
+    ).set_allocate_memory_from_process_group_for_comm(True),
+    "set_symm_mem_for_comm": lambda module: fsdp(module).set_symm_mem_for_comm(),
+    "set_reduce_scatter_max_input_buffers": lambda module: fsdp(
+        module
+    ).set_reduce_scatter_max_input_buffers(2),
+    "set_separate_reduce_scatter_group": lambda module: fsdp(
+        module
+    ).set_separate_reduce_scatter_group(),
+}
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[DeviceMesh]:
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 6)
+        self.second = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.second(self.first(x))
+        return out
+
+
+def sharded(mesh: DeviceMesh) -> Net:
+    model = Net()
+    fully_shard(model.first, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def fsdp(module: object) -> FullyShardModule:
+    """``module`` as the ``FullyShardModule`` it must be."""
+    assert isinstance(module, FullyShardModule)
+    return module
+
+
+def _public_methods() -> set[str]:
+    return {
+        name
+        for name in dir(FSDPModule)
+        if not name.startswith("_") and not hasattr(nn.Module, name)
+    }
+
+
+# ----------------------------------------------------------------- the class
+
+
+def test_a_sharded_module_is_an_fsdp_module_of_its_own_class(mesh: DeviceMesh) -> None:
+    model = sharded(mesh)
+    assert isinstance(model, Net)
+    assert isinstance(model, FSDPModule)
+    assert isinstance(fsdp(model), FullyShardModule)
+    assert isinstance(model.first, FSDPModule)
+    assert isinstance(model.first, nn.Linear)
+    assert not isinstance(model.second, FSDPModule)
+    assert type(model).__name__ == "FSDPNet"
+    assert repr(model).startswith("FSDPNet(")
+
+
+def test_one_class_is_made_per_original_class(mesh: DeviceMesh) -> None:
+    assert type(sharded(mesh)) is type(sharded(mesh))
+    assert type(sharded(mesh).first) is type(fully_shard(nn.Linear(2, 2), mesh=mesh))
+
+
+def test_every_public_fsdp_module_method_is_ours_but_prefetching(mesh: DeviceMesh) -> None:
+    methods = _public_methods()
+    assert len(methods) == 23
+    ours = {name for name in methods if name in vars(FullyShardModule)}
+    assert methods - ours == NOT_YET_OURS
+
+
+@pytest.mark.parametrize("method", sorted(ACCELERATOR_ONLY))
+def test_accelerator_only_methods_are_refused_naming_them(mesh: DeviceMesh, method: str) -> None:
+    model = sharded(mesh)
+    with pytest.raises(
+        NotImplementedError, match=rf"fully_shard on Net: {method} is not supported"
+    ):
+        ACCELERATOR_ONLY[method](model)
+
+
+def test_an_all_reduce_hook_on_a_stream_is_refused(mesh: DeviceMesh) -> None:
+    with pytest.raises(NotImplementedError, match=r"set_all_reduce_hook\(stream=...\)"):
+        fsdp(sharded(mesh)).set_all_reduce_hook(lambda tensor: None, stream=object())  # type: ignore[arg-type]
+
+
+def test_set_reshard_after_forward_takes_only_a_bool(mesh: DeviceMesh) -> None:
+    with pytest.raises(ValueError, match=r"fully_shard on Net: set_reshard_after_forward takes"):
+        fsdp(sharded(mesh)).set_reshard_after_forward(1)  # type: ignore[arg-type]
+
+
+def test_the_deprecated_divide_factor_warns_and_sets_the_new_one(mesh: DeviceMesh) -> None:
+    model = sharded(mesh)
+    with pytest.warns(FutureWarning, match="set_gradient_divide_factor"):
+        fsdp(model).set_reduce_scatter_divide_factor(4.0)
+    assert fully_shard.state(model).gradient_divide_factor == 4.0
+    assert fully_shard.state(model.first).gradient_divide_factor is None
+
+
+def test_recursive_setters_reach_inner_applications_and_others_do_not(mesh: DeviceMesh) -> None:
+    model = sharded(mesh)
+    fsdp(model).set_requires_gradient_sync(False)
+    fsdp(model).set_reshard_after_backward(False, recurse=False)
+    fsdp(model).set_unshard_in_backward(False)
+    inner, outer = fully_shard.state(model.first), fully_shard.state(model)
+    assert (outer.sync_gradients, inner.sync_gradients) == (False, False)
+    assert (outer.reshard_after_backward, inner.reshard_after_backward) == (False, True)
+    assert (outer.unshard_in_backward, inner.unshard_in_backward) == (False, True)
+
+
+def test_unshard_and_reshard_as_methods(mesh: DeviceMesh) -> None:
+    model = sharded(mesh)
+    assert fsdp(model).unshard() is None
+    assert not isinstance(model.second.weight, DTensor)
+    assert isinstance(model.first.weight, DTensor)  # not recursive
+    fsdp(model).reshard()
+    assert isinstance(model.second.weight, DTensor)
+    handle = fsdp(model).unshard(async_op=True)
+    assert isinstance(handle, UnshardHandle)
+    handle.wait()
+    assert not isinstance(model.second.weight, DTensor)
+
+
+def test_a_class_set_by_hand_without_fully_shard_raises_not_applied() -> None:
+    model = Net()
+    model.__class__ = type(FullyShardModule.__name__, (FullyShardModule, Net), {})
+    with pytest.raises(NotAppliedError, match=r"fully_shard is not applied to"):
+        fsdp(model).reshard()
+
+
+def test_reset_iter_state_off_the_root_is_refused(mesh: DeviceMesh) -> None:
+    model = sharded(mesh)
+    with pytest.raises(ContractError, match=r"reset_iter_state must be called on the root"):
+        fsdp(model.first).reset_iter_state()
+
+
+# ----------------------------------------------------------------- copies and rollback
+
+
+def test_a_deep_copy_and_a_pickle_are_of_the_original_class(mesh: DeviceMesh) -> None:
+    model = sharded(mesh)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert type(clone) is Net
+        assert type(clone.first) is nn.Linear
+        assert not fully_shard.is_applied(clone)
+        assert isinstance(clone.first.weight, DTensor)
+    assert type(model) is not Net  # the original keeps its class
+
+
+def test_indexing_a_sharded_container_builds_the_original_class(mesh: DeviceMesh) -> None:
+    model = fully_shard(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), mesh=mesh)
+    assert type(model[0:1]) is nn.Sequential
+
+
+@contract()
+def _shard_then_fail(module: nn.Module, mesh: DeviceMesh) -> None:
+    fully_shard(module.get_submodule("first"), mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    raise ValueError("planned failure after fully_shard sharded the module")
+
+
+def test_a_rolled_back_apply_restores_the_original_classes(mesh: DeviceMesh) -> None:
+    model = Net()
+    with pytest.raises(ValueError, match="planned failure"):
+        _shard_then_fail(model, mesh)
+    assert type(model) is Net
+    assert type(model.first) is nn.Linear
+    assert not any(isinstance(parameter, DTensor) for parameter in model.parameters())
+
+
+def test_a_refused_apply_keeps_the_class(mesh: DeviceMesh) -> None:
+    model = Net()
+    with pytest.raises(TypeError, match="mp_policy"):
+        fully_shard(model, mesh=mesh, mp_policy=torch.bfloat16)  # type: ignore[call-overload]
+    assert type(model) is Net
+
+
+# ----------------------------------------------------------------- keywords
+
+
+def test_the_policies_are_recorded(mesh: DeviceMesh) -> None:
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    model = fully_shard(Net(), mesh=mesh, mp_policy=policy, offload_policy=CPUOffloadPolicy())
+    record = fully_shard.state(model)
+    assert record.mp_policy == policy
+    assert record.offload_policy == CPUOffloadPolicy()
+    assert fully_shard.state(fully_shard(Net(), mesh=mesh)).mp_policy == MixedPrecisionPolicy()
+
+
+def test_cpu_offload_on_an_accelerator_mesh_is_refused(mesh: DeviceMesh) -> None:
+    accelerator = DeviceMesh("cuda", [0, 1])
+    model = Net()
+    with pytest.raises(
+        NotImplementedError, match=r"offload_policy=CPUOffloadPolicy\(\) on a 'cuda'"
+    ):
+        fully_shard(model, mesh=accelerator, offload_policy=CPUOffloadPolicy())
+    assert type(model) is Net
+    assert not fully_shard.is_applied(model)
+
+
+def test_a_wrong_offload_policy_is_refused(mesh: DeviceMesh) -> None:
+    with pytest.raises(TypeError, match=r"offload_policy must be a torch.distributed.fsdp"):
+        fully_shard(Net(), mesh=mesh, offload_policy="cpu")  # type: ignore[call-overload]
+    assert OffloadPolicy() == fully_shard.state(fully_shard(Net(), mesh=mesh)).offload_policy
+
+
+def test_ignored_params_stay_plain_and_unmanaged(mesh: DeviceMesh) -> None:
+    model = Net()
+    ignored = set(model.second.parameters())
+    fully_shard(model, mesh=mesh, ignored_params=ignored)
+    assert set(model.second.parameters()) == ignored
+    assert all(isinstance(parameter, DTensor) for parameter in model.first.parameters())
+    record = fully_shard.state(model)
+    assert record.ignored == ("second.weight", "second.bias")
+    assert record.managed == ("first.weight", "first.bias")
+
+
+def test_ignored_params_must_be_a_set_of_parameters(mesh: DeviceMesh) -> None:
+    model = Net()
+    with pytest.raises(TypeError, match=r"ignored_params must be a set of nn.Parameter"):
+        fully_shard(model, mesh=mesh, ignored_params=[model.first.weight])  # type: ignore[call-overload]
+
+
+def _first_dim_from_the_end(parameter: nn.Parameter) -> Shard:
+    return Shard(-parameter.dim())
+
+
+@pytest.mark.parametrize(
+    "placement_fn",
+    [lambda parameter: None, lambda parameter: Shard(0), _first_dim_from_the_end],
+    ids=["none", "shard_0", "shard_minus_ndim"],
+)
+def test_placements_on_dim_0_shard_as_the_default(
+    mesh: DeviceMesh, placement_fn: Callable[[nn.Parameter], Shard | None]
+) -> None:
+    model = fully_shard(Net(), mesh=mesh, shard_placement_fn=placement_fn)
+    assert all(
+        isinstance(parameter, DTensor) and parameter.placements == (Shard(0),)
+        for parameter in model.parameters()
+    )
+
+
+def test_a_placement_on_another_dim_is_refused_naming_the_parameter(mesh: DeviceMesh) -> None:
+    def by_dim(parameter: nn.Parameter) -> Shard | None:
+        return Shard(1) if parameter.dim() == 2 else None
+
+    model = Net()
+    with pytest.raises(NotImplementedError, match=r"Shard\(1\) for parameter 'first.weight'"):
+        fully_shard(model, mesh=mesh, shard_placement_fn=by_dim)
+    assert type(model) is Net
+    assert not any(isinstance(parameter, DTensor) for parameter in model.parameters())
+
+
+def test_a_placement_that_is_not_a_shard_is_refused(mesh: DeviceMesh) -> None:
+    with pytest.raises(TypeError, match=r"shard_placement_fn returned a Replicate"):
+        fully_shard(Net(), mesh=mesh, shard_placement_fn=lambda parameter: Replicate())  # type: ignore[arg-type,return-value]
+
+
+def test_dp_mesh_dims_is_refused(mesh: DeviceMesh) -> None:
+    with pytest.raises(NotImplementedError, match=r"dp_mesh_dims .* is not supported"):
+        fully_shard(Net(), mesh=mesh, dp_mesh_dims=object())  # type: ignore[call-overload]
