@@ -32,8 +32,10 @@ unit: $(BIN)/.installed
 	@$(BIN)/python -c 'import platform, torch; print(f"testing against torch {torch.__version__} (Python {platform.python_version()})")'
 	$(BIN)/pytest -q
 
+# `make demo DEMO_ARGS=--hsdp`: fully_shard as HSDP on 4 processes (2 replicas x 2 shards).
+DEMO_ARGS ?=
 demo: $(BIN)/.installed
-	$(BIN)/python -m torchcontract.demo
+	$(BIN)/python -m torchcontract.demo $(DEMO_ARGS)
 
 bench: $(BIN)/.installed
 	$(BIN)/python -m benchmarks.report

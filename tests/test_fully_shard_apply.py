@@ -159,9 +159,15 @@ def test_a_mesh_that_is_not_a_device_mesh_is_a_type_error_naming_mesh(
     )
 
 
-def test_a_2d_mesh_is_an_invalid_mesh_error_and_a_value_error(mesh: DeviceMesh) -> None:
-    square = init_device_mesh("cpu", (8, 8))
-    assert _refused(nn.Linear(4, 4), InvalidMeshError, r"expected a 1-D device mesh", mesh=square)
+def test_a_3d_mesh_is_an_invalid_mesh_error_and_a_value_error(mesh: DeviceMesh) -> None:
+    cube = init_device_mesh("cpu", (2, 4, 8))
+    assert _refused(
+        nn.Linear(4, 4),
+        InvalidMeshError,
+        r"expected a 1-D mesh \(sharding\) or a 2-D mesh \(replicate, shard\) for HSDP, got one "
+        r"of shape \(2, 4, 8\)",
+        mesh=cube,
+    )
     assert issubclass(InvalidMeshError, ValueError)
 
 
@@ -196,18 +202,16 @@ def test_reshard_after_forward_int_that_does_not_divide_the_mesh_is_a_value_erro
 
 
 @pytest.mark.parametrize("value", [2, 8, 32])
-def test_reshard_after_forward_to_a_smaller_world_is_not_supported_yet(
+def test_reshard_after_forward_to_a_smaller_world_gets_a_post_forward_group_of_that_size(
     mesh: DeviceMesh, value: int
 ) -> None:
-    """FSDP2 reshards to a mesh of ``value`` ranks after forward; ours says it cannot."""
-    assert _refused(
-        nn.Linear(4, 4),
-        NotImplementedError,
-        rf"reshard_after_forward={value} \(reshard to a world of {value} of 64 after forward\) "
-        r"is not supported yet; pass True .* or False",
-        mesh=mesh,
-        reshard_after_forward=value,
-    )
+    """As FSDP2's post-forward mesh: rows of ``value`` ranks (its behaviour: 4 gloo ranks)."""
+    model = fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=value)
+    group = MANAGED.group_of(model)
+    assert group is not None
+    assert group.post_forward_group is not None
+    assert group.post_forward_group.size() == value
+    assert fully_shard.state(model).reshard_after_forward is True
     torch_fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=value)
 
 

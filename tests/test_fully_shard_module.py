@@ -30,9 +30,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torchcontract import ContractError, NotAppliedError, contract
 from torchcontract.apis import fully_shard
 from torchcontract.apis.fully_shard import FullyShardModule
-
-#: FSDPModule's public methods that ours leaves to FSDP2's (wired with prefetching).
-NOT_YET_OURS = {"set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch"}
+from torchcontract.apis.fully_shard._managed import MANAGED
 
 #: The methods refused with NotImplementedError: only an accelerator's collectives use them.
 ACCELERATOR_ONLY: dict[str, Callable[[Any], object]] = {
@@ -113,11 +111,24 @@ def test_one_class_is_made_per_original_class(mesh: DeviceMesh) -> None:
     assert type(sharded(mesh).first) is type(fully_shard(nn.Linear(2, 2), mesh=mesh))
 
 
-def test_every_public_fsdp_module_method_is_ours_but_prefetching(mesh: DeviceMesh) -> None:
+def test_every_public_fsdp_module_method_is_ours(mesh: DeviceMesh) -> None:
     methods = _public_methods()
     assert len(methods) == 23
     ours = {name for name in methods if name in vars(FullyShardModule)}
-    assert methods - ours == NOT_YET_OURS
+    assert methods - ours == set()
+
+
+def test_prefetch_methods_set_the_lists_of_the_prefetch_functions(mesh: DeviceMesh) -> None:
+    """The methods are ``set_modules_to_*_prefetch`` (tests/test_fully_shard_prefetch.py)."""
+    model = sharded(mesh)
+    fsdp(model).set_modules_to_forward_prefetch([fsdp(model.first)])
+    fsdp(model).set_modules_to_backward_prefetch([fsdp(model.first)])
+    group = MANAGED.group_of(model)
+    assert group is not None
+    assert [ref() for ref in group.forward_prefetch] == [MANAGED.group_of(model.first)]
+    assert [ref() for ref in group.backward_prefetch] == [MANAGED.group_of(model.first)]
+    with pytest.raises(NotAppliedError, match=r"set_modules_to_forward_prefetch: modules\[0\]"):
+        fsdp(model).set_modules_to_forward_prefetch([model.second])  # type: ignore[list-item]
 
 
 @pytest.mark.parametrize("method", sorted(ACCELERATOR_ONLY))
@@ -167,6 +178,7 @@ def test_unshard_and_reshard_as_methods(mesh: DeviceMesh) -> None:
     assert isinstance(model.second.weight, DTensor)
     handle = fsdp(model).unshard(async_op=True)
     assert isinstance(handle, UnshardHandle)
+    assert isinstance(model.second.weight, DTensor)  # started, not yet waited for
     handle.wait()
     assert not isinstance(model.second.weight, DTensor)
 

@@ -151,6 +151,8 @@ class Settings:
     batch: int = 16
     learning_rate: float = 3e-3
     config: GPTConfig = GPTConfig()
+    #: Train only the fully_shard phase, as HSDP: a (replicas, 2) mesh, sharded over 2.
+    hsdp: bool = False
 
 
 def synthetic_batch(config: GPTConfig, batch: int, rank: int, step: int) -> tuple[Tensor, Tensor]:
@@ -353,7 +355,13 @@ def train_sharded(rank: int, world_size: int, settings: Settings) -> ShardedOutc
     model = GPT(config)
     reference = copy.deepcopy(model)
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    mesh = init_device_mesh("cpu", (world_size,))
+    if settings.hsdp:  # FSDP2's HSDP: shard over the inner dim, replicate over the outer
+        shape = (world_size // 2, 2)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        layout = f"HSDP, {shape[0]} replicas x {shape[1]} shards"
+    else:
+        mesh = init_device_mesh("cpu", (world_size,))
+        layout = f"{world_size} ranks"
     compare = REFERENCE_FULLY_SHARD_ON_CPU
     for block, twin in zip(model.blocks, reference.blocks, strict=True):
         fully_shard(block, mesh=mesh)
@@ -377,7 +385,7 @@ def train_sharded(rank: int, world_size: int, settings: Settings) -> ShardedOutc
     local = local_parameter_bytes(model)
     sizes = all_gather_objects(local)
     if rank == 0:
-        print(f"\ndescribe(model)  (fully_shard on each block and the root, {world_size} ranks)")
+        print(f"\ndescribe(model)  (fully_shard on each block and the root, {layout})")
         print(describe(model))
         shares = ", ".join(f"rank {index}: {size:,}" for index, size in enumerate(sizes))
         print(f"\nparameter bytes per rank: {shares} of {full_bytes:,} for the whole model")
@@ -418,9 +426,27 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Train a small GPT with replicate and checkpoint, then with fully_shard, "
         "on local gloo processes.",
     )
-    parser.add_argument("--nproc", type=int, default=2, help="processes to start (default 2)")
+    parser.add_argument(
+        "--nproc", type=int, default=None, help="processes to start (default 2; 4 with --hsdp)"
+    )
     parser.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--hsdp",
+        action="store_true",
+        help="train only with fully_shard, as HSDP: 2-way sharding, replicated over the "
+        "processes' pairs (an even --nproc; default 4)",
+    )
+    arguments = parser.parse_args(argv)
+    if arguments.nproc is None:
+        arguments.nproc = 4 if arguments.hsdp else 2
+    return arguments
+
+
+def _run(rank: int, world_size: int, settings: Settings) -> object:
+    """This rank's demo: both phases, or with ``hsdp`` the sharded one alone."""
+    if settings.hsdp:
+        return train_sharded(rank, world_size, settings)
+    return _run_both(rank, world_size, settings)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -428,11 +454,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     arguments = _arguments(argv)
     if arguments.nproc < 1 or arguments.steps < 1:
         raise SystemExit("--nproc and --steps must be at least 1")
-    settings = Settings(steps=arguments.steps)
+    hsdp: bool = arguments.hsdp
+    nproc: int = arguments.nproc
+    world_size = int(os.environ.get("WORLD_SIZE") or nproc)
+    if hsdp and world_size % 2:
+        raise SystemExit(
+            f"--hsdp shards over pairs of processes: needs an even count, got {world_size}"
+        )
+    settings = Settings(steps=arguments.steps, hsdp=hsdp)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")  # env://, as torchrun sets it up
         try:
-            _run_both(dist.get_rank(), dist.get_world_size(), settings)
+            _run(dist.get_rank(), dist.get_world_size(), settings)
             # Tear the group down together: a rank destroying its group while another
             # still talks to it can abort in gloo's teardown.
             barrier()
@@ -445,12 +478,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.stderr.flush()
         os._exit(0)
     started = time.perf_counter()
+    what = (
+        "fully_shard on each block and the root, as HSDP"
+        if hsdp
+        else "replicate on the model, checkpoint on each block"
+    )
     print(
         f"training a small GPT on {arguments.nproc} gloo processes for {settings.steps} steps: "
-        "replicate on the model, checkpoint on each block",
+        f"{what}",
         flush=True,
     )
-    run_distributed(_run_both, arguments.nproc, timeout=600.0, args=(settings,))
+    run_distributed(_run, arguments.nproc, timeout=600.0, args=(settings,))
     print(f"\ndone in {time.perf_counter() - started:.1f} s")
 
 

@@ -96,3 +96,16 @@ def test_demo_under_torchrun_prints_the_report() -> None:
     output = _run([*launcher, "-m", "torchcontract.demo", "--steps", "3"])
     for line in REPORT_LINES:
         assert line in output
+
+
+def test_demo_hsdp_option_trains_on_4_ranks_as_hsdp() -> None:
+    """``--hsdp``: the fully_shard phase alone, on a (2, 2) mesh of 4 processes."""
+    output = _run([sys.executable, "-m", "torchcontract.demo", "--hsdp", "--steps", "3"])
+    assert "training a small GPT on 4 gloo processes for 3 steps: fully_shard" in output
+    assert "[##############################] 3/3  loss" in output
+    assert "(fully_shard on each block and the root, HSDP, 2 replicas x 2 shards)" in output
+    shares = ", ".join(f"rank {rank}: 412,416" for rank in range(4))
+    assert f"parameter bytes per rank: {shares} of 824,832 for the whole model" in output
+    if REFERENCE_FULLY_SHARD_ON_CPU:
+        assert "first-step losses matched PyTorch's fully_shard: yes" in output
+    assert "replicate" not in output

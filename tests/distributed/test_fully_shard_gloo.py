@@ -376,9 +376,9 @@ def _bad_input_messages(mesh: DeviceMesh, world_size: int) -> dict[str, str | bo
     found: dict[str, str | bool] = {}
     model = gpt()
     before = list(model.parameters())
-    square = init_device_mesh("cpu", (1, world_size))
+    cube = init_device_mesh("cpu", (1, 1, world_size))
     try:
-        fully_shard(model, mesh=square)
+        fully_shard(model, mesh=cube)
     except InvalidMeshError as error:
         found["mesh"] = f"{type(error).__name__}: {error}"
     found["mesh_untouched"] = (
@@ -746,7 +746,9 @@ def test_bad_input_is_refused_naming_the_module_and_changing_nothing(
     ranks: list[Results],
 ) -> None:
     for found in _each(ranks, "bad_input"):
-        assert found["mesh"].startswith("InvalidMeshError: fully_shard on GPT: expected a 1-D")
+        assert found["mesh"].startswith(
+            "InvalidMeshError: fully_shard on GPT: expected a 1-D mesh (sharding) or a 2-D"
+        )
         assert found["mesh_untouched"]
         assert found["dtensor"].startswith("AlreadyManagedError: fully_shard on GPT")
         assert "'blocks.1.up.weight' is already a DTensor" in found["dtensor"]

@@ -22,6 +22,7 @@ from . import _compat
 __all__ = [
     "accelerator_type",
     "all_gather_into",
+    "all_gather_into_async",
     "all_gather_objects",
     "all_gather_objects_over",
     "all_reduce",
@@ -211,6 +212,14 @@ _reduce_scatter_single: Final = _compat.reduce_scatter_single
 def all_gather_into(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:
     """Concatenate every rank's ``input`` (same size on all) into ``output``, by rank; wait."""
     _all_gather_single(output, input, group=group)
+
+
+def all_gather_into_async(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> dist.Work:
+    """Start ``all_gather_into``; the handle's ``wait()`` completes it (gloo: on its own thread)."""
+    work = _all_gather_single(output, input, group=group, async_op=True)
+    if work is None:
+        raise RuntimeError("torchcontract: an async all-gather returned no handle")
+    return work
 
 
 def reduce_scatter_average(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from ._api import FullyShardAPI, FullyShardFunction, fully_shard, reshard, unshard
 from ._module import FullyShardModule
+from ._prefetch import (
+    set_implicit_prefetch,
+    set_modules_to_backward_prefetch,
+    set_modules_to_forward_prefetch,
+)
 from ._state import FullyShardState
 
 __all__ = [
@@ -13,5 +18,8 @@ __all__ = [
     "FullyShardState",
     "fully_shard",
     "reshard",
+    "set_implicit_prefetch",
+    "set_modules_to_backward_prefetch",
+    "set_modules_to_forward_prefetch",
     "unshard",
 ]

@@ -217,25 +217,27 @@ def _check_placements(
 
 
 def _check_mesh(target: nn.Module, mesh: DeviceMesh) -> None:
-    if mesh.ndim != 1:
+    """A 1-D mesh shards; a 2-D one ``(replicate, shard)`` is HSDP, as FSDP2 reads it."""
+    if mesh.ndim not in (1, 2):
         raise InvalidMeshError(
-            f"fully_shard on {module_label(target)}: expected a 1-D device mesh, got one of "
-            f"shape {tuple(mesh.shape)}; pass mesh=init_device_mesh(device, (world_size,)) "
-            "(HSDP and 2-D meshes are not supported)"
+            f"fully_shard on {module_label(target)}: expected a 1-D mesh (sharding) or a 2-D "
+            f"mesh (replicate, shard) for HSDP, got one of shape {tuple(mesh.shape)}; pass "
+            "mesh=init_device_mesh(device, (world_size,)), or (replicas, shard_size), or "
+            "slice it (mesh['replicate', 'shard'])"
         )
 
 
 def _resharding(target: nn.Module, value: bool | int | None, mesh: DeviceMesh) -> bool | None:
     """``reshard_after_forward`` as FSDP2 reads it: None, True or False; an int checked.
 
-    An int is the world size to reshard to after forward, a divisor of the mesh's
-    size: 1 means False (FSDP2 warns as well) and the mesh's size means True. Raises
-    ``ValueError`` for any other int that is not a divisor, ``NotImplementedError``
-    for a divisor in between (a smaller post-forward mesh is not supported yet).
+    An int is the world size to reshard to after forward, a divisor of the shard
+    dim's size: 1 means False (FSDP2 warns as well), the size True, and a divisor in
+    between True on a smaller post-forward mesh (``_post_forward_mesh``). Raises
+    ``ValueError`` for any other int.
     """
     if value is None or isinstance(value, bool):
         return value
-    size = mesh.size()
+    size = mesh.size(mesh.ndim - 1)  # the shard dim's (HSDP replicates over the other)
     if value < 1 or value > size or size % value != 0:
         raise ValueError(
             f"fully_shard on {module_label(target)}: reshard_after_forward as an int is the "
@@ -251,13 +253,17 @@ def _resharding(target: nn.Module, value: bool | int | None, mesh: DeviceMesh) -
             stacklevel=_caller_level(),
         )
         return False
-    if value == size:
-        return True
-    raise NotImplementedError(
-        f"fully_shard on {module_label(target)}: reshard_after_forward={value} (reshard to a "
-        f"world of {value} of {size} after forward) is not supported yet; pass True to free "
-        "the parameters after forward or False to keep them"
-    )
+    return True
+
+
+def _post_forward_mesh(value: bool | int | None, mesh: DeviceMesh) -> DeviceMesh | None:
+    """FSDP2's post-forward mesh for an int between 1 and the shard size: ranks in rows of it.
+
+    Every rank builds it (new process groups), as every rank applies ``fully_shard``.
+    """
+    if value is None or isinstance(value, bool) or value in (1, mesh.size(mesh.ndim - 1)):
+        return None
+    return DeviceMesh(mesh.device_type, mesh.mesh.view(-1, value))
 
 
 def _caller_level() -> int:
@@ -475,7 +481,9 @@ def fully_shard(
     sharded parameters' ``.grad``. ``reshard_after_forward`` as in FSDP2: ``None``
     frees the parameters after forward except on the root (the first application
     to run forward), ``True`` always, ``False`` never; an int is the world size to
-    reshard to (1 means False, the mesh's size True). ``mp_policy`` as FSDP2's
+    reshard to (1 means False, the shard size True; in between, each rank keeps
+    its share of a smaller group's shards after forward and backward gathers over
+    that group, FSDP2's post-forward mesh). ``mp_policy`` as FSDP2's
     ``MixedPrecisionPolicy``: ``param_dtype`` for the gathered parameters (and the
     floating inputs, if ``cast_forward_inputs``), ``reduce_dtype`` for gradient
     reduction, ``output_dtype`` for the floating outputs. ``shard_placement_fn``
@@ -483,14 +491,16 @@ def fully_shard(
     ``CPUOffloadPolicy`` on a CPU mesh changes nothing (the shards are on CPU).
 
     ``mesh`` defaults to a 1-D mesh over the default process group on the
-    accelerator if there is one, else on CPU. Raises ``TypeError`` naming the
+    accelerator if there is one, else on CPU. A 2-D mesh ``(replicate, shard)`` is
+    HSDP, as in FSDP2: parameters are sharded over the inner dim (placements
+    ``(Replicate(), Shard(0))``) and gradients averaged over both. Raises ``TypeError`` naming the
     argument for one of a wrong type; ``ValueError`` for an int
     ``reshard_after_forward`` that does not divide the mesh's size or a dtype that
-    is not floating point; ``NotImplementedError`` for a divisor between 1 and the
-    mesh's size, a placement on another dim than 0, ``dp_mesh_dims``, or
-    ``CPUOffloadPolicy`` on an accelerator mesh; ``InvalidMeshError`` (a
-    ``ValueError``) for a mesh that is not 1-D; ``AlreadyManagedError`` for a
-    parameter another application manages or that is already a DTensor;
+    is not floating point; ``NotImplementedError`` for a placement on another dim
+    than 0, ``dp_mesh_dims``, or ``CPUOffloadPolicy`` on an accelerator mesh;
+    ``InvalidMeshError`` (a ``ValueError``) for a mesh that is neither 1-D nor 2-D;
+    ``AlreadyManagedError`` for a parameter another application manages or that is
+    already a DTensor;
     ``ContractError`` without a process group or for a 0-d parameter. Nothing is
     changed then, the modules' classes included. The cost is linear in the
     modules and parameters of ``module``, whatever else is sharded and whatever
@@ -517,17 +527,27 @@ def fully_shard(
     found = _find_parameters(targets, {id(p) for p in ignored_params or ()}, ignored)
     if shard_placement_fn is not None:
         _check_placements(targets[0], found, shard_placement_fn)
+    post_forward = _post_forward_mesh(reshard_after_forward, mesh)
     parameters = [
-        ManagedParameter(item.fqn, item.parameter, item.locations, mesh, mp_policy.param_dtype)
+        ManagedParameter(
+            item.fqn,
+            item.parameter,
+            item.locations,
+            mesh,
+            mp_policy.param_dtype,
+            post_forward_mesh=post_forward,
+        )
         for item in found
     ]
     group = ParamGroup(
         fully_shard,
         targets,
         parameters,
-        mesh.get_group(),
+        mesh.get_group(mesh.ndim - 1),
         reshard_after_forward=resharding,
         reduce_dtype=mp_policy.reduce_dtype,
+        replicate_group=mesh.get_group(0) if mesh.ndim == 2 else None,
+        post_forward_group=None if post_forward is None else post_forward.get_group(1),
     )
     # Validated: from here on nothing raises before the parameters are all swapped.
     for parameter in parameters:
@@ -602,7 +622,9 @@ def unshard(module: nn.Module) -> None:
     backward). Every rank must call it. Raises ``NotAppliedError`` if
     ``fully_shard`` is not applied to ``module``.
     """
-    _group_of(module).unshard()
+    group = _group_of(module)
+    group.drop_prefetch()  # gathered before any optimizer step since: gather afresh
+    group.unshard()
 
 
 def reshard(module: nn.Module) -> None:

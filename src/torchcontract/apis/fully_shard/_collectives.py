@@ -17,13 +17,79 @@ from torch import Tensor
 from .. import _torch
 from ._sharding import ManagedParameter
 
-__all__ = ["all_gather", "reduce_scatter"]
+__all__ = ["PendingGather", "all_gather", "reduce_scatter", "start_all_gather"]
+
+
+class PendingGather:
+    """An all-gather started ahead of use (a prefetch): ``finish()`` waits and unshards.
+
+    It holds the flat input and output buffers until then, as the collective
+    writes into them on gloo's own thread; ``discard()`` waits and drops them.
+    """
+
+    __slots__ = ("_parts", "_works")
+
+    def __init__(
+        self,
+        parts: list[tuple[Sequence[ManagedParameter], Tensor, Tensor]],
+        works: list[dist.Work],
+    ) -> None:
+        self._parts = parts  # per dtype: the parameters, the flat input, the gathered output
+        self._works = works
+
+    def finish(self) -> None:
+        """Wait for the collective(s) and register the unsharded parameters."""
+        self.discard()
+        for parameters, flat, gathered in self._parts:
+            _unshard_from(parameters, gathered, gathered.numel() // flat.numel())
+        self._parts = []
+
+    def discard(self) -> None:
+        """Wait for the collective(s) without using their result (no rank may leave one behind)."""
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()
+
+
+def start_all_gather(
+    parameters: Sequence[ManagedParameter],
+    group: dist.ProcessGroup,
+    *,
+    async_op: bool,
+    post_forward: bool = False,
+) -> PendingGather:
+    """Start the all-gather of ``parameters``: one collective per dtype, in their order.
+
+    With ``async_op`` the collectives run while the caller computes (gloo runs them
+    on its own threads); without, they are done when this returns. With
+    ``post_forward``, each rank sends what it kept after forward, over ``group`` (the
+    post-forward mesh's shard group) instead of its shard.
+    """
+    parts: list[tuple[Sequence[ManagedParameter], Tensor, Tensor]] = []
+    works: list[dist.Work] = []
+    world = group.size()
+    for same_dtype in _by_dtype(parameters, [parameter.param_dtype for parameter in parameters]):
+        chosen = [parameters[index] for index in same_dtype]
+        flat = torch.cat(
+            [
+                parameter.post_forward_input() if post_forward else parameter.gather_input()
+                for parameter in chosen
+            ]
+        )
+        gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
+        if world == 1:
+            gathered.copy_(flat)
+        elif async_op:
+            works.append(_torch.all_gather_into_async(gathered, flat, group))
+        else:
+            _torch.all_gather_into(gathered, flat, group)
+        parts.append((chosen, flat, gathered))
+    return PendingGather(parts, works)
 
 
 def all_gather(parameters: Sequence[ManagedParameter], group: dist.ProcessGroup) -> None:
     """All-gather ``parameters`` and register their unsharded forms: one collective per dtype."""
-    for same_dtype in _by_dtype(parameters, [parameter.param_dtype for parameter in parameters]):
-        _all_gather_one_dtype([parameters[index] for index in same_dtype], group)
+    start_all_gather(parameters, group, async_op=False).finish()
 
 
 def _by_dtype(items: Sequence[object], dtypes: Sequence[torch.dtype]) -> list[list[int]]:
@@ -34,19 +100,23 @@ def _by_dtype(items: Sequence[object], dtypes: Sequence[torch.dtype]) -> list[li
     return list(groups.values())
 
 
-def _all_gather_one_dtype(parameters: Sequence[ManagedParameter], group: dist.ProcessGroup) -> None:
-    world = group.size()
-    flat = torch.cat([parameter.gather_input() for parameter in parameters])
-    gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
-    if world > 1:
-        _torch.all_gather_into(gathered, flat, group)
-    else:
-        gathered.copy_(flat)
+def _unshard_from(parameters: Sequence[ManagedParameter], gathered: Tensor, world: int) -> None:
+    """Each parameter's columns of the ``world`` ranks' inputs, as ``(its world, padded)`` rows.
+
+    A rank's input holds, per parameter, a run of whole padded shards (one, or after a
+    post-forward reshard several), so the columns in rank order are the padded rows.
+    """
     columns = gathered.view(world, -1)
+    shards_per_rank = columns.shape[1] // sum(
+        parameter.padded_shard_numel for parameter in parameters
+    )
     offset = 0
     for parameter in parameters:
-        width = parameter.padded_shard_numel
-        parameter.unshard_from(columns[:, offset : offset + width])
+        width = shards_per_rank * parameter.padded_shard_numel
+        rows = columns[:, offset : offset + width].reshape(
+            parameter.world, parameter.padded_shard_numel
+        )
+        parameter.unshard_from(rows)
         offset += width
 
 
@@ -55,6 +125,7 @@ def reduce_scatter(
     grads: Sequence[Tensor],
     group: dist.ProcessGroup,
     reduce_dtype: torch.dtype | None,
+    replicate_group: dist.ProcessGroup | None = None,
     *,
     hook: Callable[[Tensor], None] | None = None,
 ) -> None:
@@ -62,7 +133,10 @@ def reduce_scatter(
 
     The reduction runs in ``reduce_dtype`` (the gradients' own dtype if None), one
     collective per dtype; each shard's gradient is cast back to its parameter's
-    dtype and added to ``.grad`` (set if there was none).
+    dtype and added to ``.grad`` (set if there was none). With ``replicate_group``
+    (HSDP) the reduce-scattered shards are then averaged over the replicas, as FSDP2's
+    ``foreach_reduce`` all-reduces them over the mesh's outer dim. ``hook`` (FSDP2's
+    all-reduce hook) gets the reduced flat shards then, before they are stored.
     """
     dtypes = [reduce_dtype or grad.dtype for grad in grads]
     for same_dtype in _by_dtype(parameters, dtypes):
@@ -71,7 +145,8 @@ def reduce_scatter(
             [grads[index] for index in same_dtype],
             group,
             dtypes[same_dtype[0]],
-            hook,
+            replicate_group=replicate_group,
+            hook=hook,
         )
 
 
@@ -80,6 +155,8 @@ def _reduce_scatter_one_dtype(
     grads: Sequence[Tensor],
     group: dist.ProcessGroup,
     dtype: torch.dtype,
+    *,
+    replicate_group: dist.ProcessGroup | None,
     hook: Callable[[Tensor], None] | None,
 ) -> None:
     world = group.size()
@@ -95,6 +172,9 @@ def _reduce_scatter_one_dtype(
         _torch.reduce_scatter_average(reduced, columns.reshape(-1), group)
     else:
         reduced.copy_(columns.reshape(-1))
+    if replicate_group is not None and replicate_group.size() > 1:
+        _torch.all_reduce(reduced, replicate_group).wait()
+        reduced.div_(replicate_group.size())
     if hook is not None:
         hook(reduced)
     offset = 0

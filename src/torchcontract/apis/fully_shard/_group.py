@@ -9,6 +9,17 @@ Groups under one root share a ``Root``, made when the root's first forward runs
 (PyTorch's lazy init): the root is the first group whose forward runs. The root
 keeps its own parameters unsharded after forward (they would be gathered again
 at once for backward) and queues the callback that ends each backward.
+
+Prefetching, as FSDP2's: a group's all-gather may be started ahead of its use
+(``prefetch``) on gloo's own threads, while the caller computes; ``unshard``
+then only waits for it. The ``Root`` records the order of one iteration's
+forwards and post-forwards: in forward, a group prefetches the group that
+followed it in the previous iteration's forward (implicit forward prefetch); in
+backward, the group that ran its forward just before it in this iteration
+(implicit backward prefetch, FSDP2's reverse post-forward order). Explicit lists
+(``_prefetch``) replace either. A prefetch lives within the pass that issued it:
+the end of backward and the root's next forward wait for and drop any unused,
+so a gather never serves parameters an optimizer step has since changed.
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ from torch import Tensor, nn
 from torchcontract import UnmaterializedParameterError, module_label
 
 from .. import _torch
-from ._collectives import all_gather, reduce_scatter
+from ._collectives import PendingGather, reduce_scatter, start_all_gather
 from ._sharding import ManagedParameter
 from ._state import FullyShardState
 
@@ -57,18 +68,55 @@ class Root:
         self.callback_queued = False
         # Whether every group's shards were found off the meta device (checked until they are).
         self.materialized = False
+        # Forward order of the last iteration and of this one (implicit forward prefetch),
+        # post-forward order of this one (implicit backward prefetch); weak, as the groups.
+        self.last_forward: list[weakref.ref[ParamGroup]] = []
+        self.forward: list[weakref.ref[ParamGroup]] = []
+        self.post_forward: list[weakref.ref[ParamGroup]] = []
 
     @property
     def groups(self) -> list[ParamGroup]:
         return [group for ref in self._groups if (group := ref()) is not None]
 
     def start_iteration(self) -> None:
-        """At the root's forward: forget a backward that failed before its end callback ran."""
+        """At the root's forward: forget a backward that failed before its end callback ran.
+
+        Also drops unused prefetches and starts recording this iteration's order.
+        """
         if self.callback_queued:
             self.callback_queued = False
             for group in self.groups:
                 group.phase = Phase.IDLE
                 group.reduced = False
+        for group in self.groups:
+            group.drop_prefetch()
+            group.post_forward_indices.clear()
+            if group.post_forward:  # kept from a forward without backward: maybe stale now
+                group.reshard()
+        if self.forward:
+            self.last_forward = self.forward
+        self.forward = []
+        self.post_forward = []
+
+    def record_forward(self, group: ParamGroup) -> ParamGroup | None:
+        """Note ``group``'s forward; the group that followed it last iteration, if any."""
+        position = len(self.forward)
+        self.forward.append(weakref.ref(group))
+        if position + 1 < len(self.last_forward) and self.last_forward[position]() is group:
+            return self.last_forward[position + 1]()
+        return None
+
+    def record_post_forward(self, group: ParamGroup) -> None:
+        """Note ``group``'s post-forward (once per forward call, as FSDP2's)."""
+        group.post_forward_indices.append(len(self.post_forward))
+        self.post_forward.append(weakref.ref(group))
+
+    def previous_post_forward(self, group: ParamGroup) -> ParamGroup | None:
+        """The group whose forward ran before ``group``'s latest one, for its backward."""
+        if not group.post_forward_indices:
+            return None  # several backwards through one forward, or none recorded
+        index = group.post_forward_indices.pop()
+        return self.post_forward[index - 1]() if index > 0 else None
 
 
 class ParamGroup:
@@ -83,12 +131,19 @@ class ParamGroup:
         *,
         reshard_after_forward: bool | None,
         reduce_dtype: torch.dtype | None,
+        replicate_group: dist.ProcessGroup | None = None,
+        post_forward_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.api = api
         self._modules = tuple(weakref.ref(module) for module in modules)
         self.module_ids = frozenset(id(module) for module in modules)
         self.parameters = tuple(parameters)
         self.process_group = group
+        self.replicate_group = replicate_group  # HSDP: gradients are averaged over it too
+        # An int reshard_after_forward: the shard group of FSDP2's post-forward mesh, over
+        # which backward gathers what each rank kept after forward (``post_forward``).
+        self.post_forward_group = post_forward_group
+        self.post_forward = False
         self.reshard_after_forward = reshard_after_forward
         self.reduce_dtype = reduce_dtype
         self.unsharded = False
@@ -96,6 +151,12 @@ class ParamGroup:
         self.root: Root | None = None
         self.is_root = False
         self.reduced = False  # whether this backward reduce-scattered gradients
+        self.pending: PendingGather | None = None  # a prefetched all-gather not yet used
+        self.implicit_prefetch = True
+        # Explicit prefetch lists (``_prefetch``): empty means implicit, as FSDP2.
+        self.forward_prefetch: tuple[weakref.ref[ParamGroup], ...] = ()
+        self.backward_prefetch: tuple[weakref.ref[ParamGroup], ...] = ()
+        self.post_forward_indices: list[int] = []
 
     def modules(self) -> list[nn.Module]:
         """The group's modules that are still alive."""
@@ -136,20 +197,90 @@ class ParamGroup:
         Raises ``UnmaterializedParameterError``, before any collective, if a shard
         is still on the meta device.
         """
-        if not self.unsharded:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.finish()
+            self.unsharded = True
+        elif not self.unsharded:
             self.check_materialized()
-            all_gather(self.parameters, self.process_group)
+            self._start_gather(async_op=False).finish()
             self.unsharded = True
         else:
             self.follow_cast()
 
+    def _start_gather(self, *, async_op: bool) -> PendingGather:
+        """The all-gather of the shards, or after a post-forward reshard of what was kept."""
+        if self.post_forward and self.post_forward_group is not None:
+            self.post_forward = False
+            return start_all_gather(
+                self.parameters, self.post_forward_group, async_op=async_op, post_forward=True
+            )
+        return start_all_gather(self.parameters, self.process_group, async_op=async_op)
+
+    def prefetch(self) -> None:
+        """Start the all-gather now, on gloo's threads; ``unshard`` waits for it.
+
+        A no-op if the parameters are unsharded or already being gathered, or a
+        shard is still on the meta device (``unshard`` raises then).
+        """
+        if self.unsharded or self.pending is not None:
+            return
+        if any(parameter.is_meta for parameter in self.parameters):
+            return
+        self.pending = self._start_gather(async_op=True)
+
+    def drop_prefetch(self) -> None:
+        """Wait for a prefetched all-gather that was not used, and drop its result."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.discard()
+            for parameter in self.parameters:  # a post-forward gather took what was kept
+                parameter.reshard()
+
+    def prefetch_forward(self, root: Root | None) -> None:
+        """After this group's unshard in forward: prefetch the groups expected next."""
+        following = None if root is None else root.record_forward(self)
+        targets: list[ParamGroup | None]
+        if self.forward_prefetch:
+            targets = [ref() for ref in self.forward_prefetch]
+        else:
+            targets = [following] if self.implicit_prefetch else []
+        for target in targets:
+            if target is not None and target is not self:
+                target.prefetch()
+
+    def prefetch_backward(self) -> None:
+        """After this group's unshard in backward: prefetch the groups expected next."""
+        root = self.root
+        previous = None if root is None else root.previous_post_forward(self)
+        targets: list[ParamGroup | None]
+        if self.backward_prefetch:
+            targets = [ref() for ref in self.backward_prefetch]
+        else:
+            targets = [previous] if self.implicit_prefetch else []
+        for target in targets:
+            if target is not None and target is not self:
+                target.prefetch()
+
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded storage."""
-        if self.unsharded:
+        self.drop_prefetch()
+        if self.unsharded or self.post_forward:
             self.follow_cast()
             for parameter in self.parameters:
                 parameter.reshard()
-            self.unsharded = False
+            self.unsharded = self.post_forward = False
+
+    def reshard_after_forward_pass(self) -> None:
+        """After forward: free the parameters, or keep them on the post-forward mesh."""
+        if self.post_forward_group is None or not self.unsharded:
+            self.reshard()
+            return
+        self.drop_prefetch()
+        self.follow_cast()
+        for parameter in self.parameters:
+            parameter.reshard_post_forward()
+        self.unsharded, self.post_forward = False, True
 
     def follow_cast(self) -> None:
         """Give the shards the dtype the model was cast to while unsharded, if it was."""
@@ -173,6 +304,7 @@ class ParamGroup:
             record = self.record()
             if record is None or record.unshard_in_backward:
                 self.unshard()
+            self.prefetch_backward()
         return grad
 
     def queue_finish(self) -> None:
@@ -208,13 +340,15 @@ class ParamGroup:
             grads = [grad for _, grad in pairs]
             factor = record.gradient_divide_factor
             if factor is not None:  # the sum divided by factor, not by the mesh's size
-                scale = self.process_group.size() / factor
+                replicas = 1 if self.replicate_group is None else self.replicate_group.size()
+                scale = self.process_group.size() * replicas / factor  # HSDP: over both dims
                 grads = [grad * scale for grad in grads]
             reduce_scatter(
                 [parameter for parameter, _ in pairs],
                 grads,
                 self.process_group,
                 self.reduce_dtype,
+                self.replicate_group,
                 hook=record.all_reduce_hook,
             )
             self.reduced = True
@@ -243,7 +377,10 @@ class _Finish:
                     group.post_backward()
         finally:
             root.callback_queued = False
+            root.post_forward = []
             for group in root.groups:
+                group.drop_prefetch()
+                group.post_forward_indices.clear()
                 group.phase = Phase.IDLE
                 if group.reduced:
                     group.reduced = False

@@ -7,7 +7,8 @@ to them, and so the module's parameter gradients, is computed (PyTorch's
 ``RegisterPostBackwardFunction``). After forward: reshard (not the root), and
 hook the outputs so that their gradient gathers the parameters again first.
 A forward run inside backward (a checkpoint recomputing it) only makes sure the
-parameters are gathered.
+parameters are gathered. Each forward prefetches the groups expected next, and
+backward's pre-hook those expected next in backward (``ParamGroup.prefetch_*``).
 
 Under ``torch.compile`` both forward hooks run eagerly (``torch.compiler.disable``,
 as FSDP2's hooks): dynamo compiles each module's ``forward`` frame with the
@@ -91,6 +92,7 @@ class ForwardHooks:
                 root.materialized = True
         group.phase = Phase.FORWARD
         group.unshard()
+        group.prefetch_forward(root)
         group.update(_count_forward)
         if torch.is_grad_enabled():
             args, kwargs = _with_post_backward(group, args, kwargs)
@@ -109,7 +111,9 @@ class ForwardHooks:
         if policy is not None and policy.output_dtype is not None:
             output = _cast(output, policy.output_dtype)
         if group.reshards_after_forward:
-            group.reshard()
+            group.reshard_after_forward_pass()
+        if group.root is not None:
+            group.root.record_post_forward(group)
         group.phase = Phase.IDLE
         if torch.is_grad_enabled():
             for leaf in pytree.tree_leaves(output):

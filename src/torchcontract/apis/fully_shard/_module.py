@@ -33,6 +33,7 @@ from torchcontract import ContractError, NotAppliedError, module_label
 from ._group import ParamGroup
 from ._hooks import ForwardHooks
 from ._managed import MANAGED
+from ._prefetch import set_modules_to_backward_prefetch, set_modules_to_forward_prefetch
 from ._state import FullyShardState
 
 __all__ = ["FullyShardModule", "fully_shard_class", "restore_class"]
@@ -62,11 +63,18 @@ class FullyShardModule(FSDPModule):
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather the parameters and register them until the next reshard. Not recursive.
 
-        ``async_op=True`` returns an ``UnshardHandle`` whose ``wait()`` returns at
-        once: the all-gather is synchronous here, done when this returns.
+        ``async_op=True`` starts the all-gather (on gloo's threads) and returns an
+        ``UnshardHandle`` whose ``wait()`` waits for it and registers the parameters,
+        as FSDP2's; the module's next forward or backward waits for it too.
         """
-        _group(self).unshard()
-        return UnshardHandle() if async_op else None
+        group = _group(self)
+        group.drop_prefetch()  # gathered before any optimizer step since: gather afresh
+        if not async_op:
+            group.unshard()
+            return None
+        group.check_materialized()
+        group.prefetch()
+        return _PendingUnshard(group)
 
     def reset_iter_state(self) -> None:
         """After a forward or backward raised: reshard every group and forget the iteration.
@@ -232,6 +240,24 @@ class FullyShardModule(FSDPModule):
             "a reduce-scatter overlapping the all-gather",
         )
 
+    # ----------------------------------------------------------------- prefetching
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """In forward, after this module's all-gather, start those of ``modules``, in order.
+
+        ``torchcontract.apis.fully_shard.set_modules_to_forward_prefetch``, which
+        says what it raises; an empty list restores the implicit prefetch.
+        """
+        set_modules_to_forward_prefetch(cast(nn.Module, self), cast(list[nn.Module], modules))
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """In backward, after this module's all-gather, start those of ``modules``, in order.
+
+        ``torchcontract.apis.fully_shard.set_modules_to_backward_prefetch``; an empty
+        list restores the implicit prefetch (the group whose forward ran before this one).
+        """
+        set_modules_to_backward_prefetch(cast(nn.Module, self), cast(list[nn.Module], modules))
+
     # ----------------------------------------------------------------- torch's plumbing
 
     def _get_fsdp_state(self) -> Any:
@@ -257,6 +283,16 @@ class FullyShardModule(FSDPModule):
         # copyreg.__newobj__ insists on the object's own class; this builds the original.
         original = original_class(cast("type[nn.Module]", type(self)))
         return (_new_object, (original, *arguments[1:]), *reduced[2:])
+
+
+class _PendingUnshard(UnshardHandle):
+    """The handle of ``unshard(async_op=True)``: ``wait()`` finishes the group's all-gather."""
+
+    def __init__(self, group: ParamGroup) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        self._group.unshard()
 
 
 def _new_object(cls: type[Any], *args: object) -> object:

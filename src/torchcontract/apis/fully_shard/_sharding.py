@@ -27,18 +27,28 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from .. import _torch
 
-__all__ = ["Location", "ManagedParameter", "as_dtensor"]
+__all__ = ["Location", "ManagedParameter", "as_dtensor", "placements"]
 
 #: Where a parameter is registered: a module (weakly) and the name in its ``_parameters``.
 Location = tuple["weakref.ref[nn.Module]", str]
 
 
+def placements(mesh: DeviceMesh) -> tuple[Placement, ...]:
+    """FSDP2's placements: ``(Shard(0),)`` on a 1-D mesh, ``(Replicate(), Shard(0))`` for HSDP."""
+    return (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+
+
 class ManagedParameter:
-    """A parameter sharded on dim 0 over a 1-D mesh, and its unsharded form when gathered."""
+    """A parameter sharded on dim 0 over a mesh's last dim, and its unsharded form when gathered.
+
+    On a 2-D ``(replicate, shard)`` mesh (HSDP) every replica holds the same shards:
+    the rows are split over the inner dim only.
+    """
 
     def __init__(
         self,
@@ -47,13 +57,16 @@ class ManagedParameter:
         locations: Sequence[Location],
         mesh: DeviceMesh,
         param_dtype: torch.dtype | None,
+        *,
+        post_forward_mesh: DeviceMesh | None = None,
     ) -> None:
         self.fqn = fqn
         self.original = weakref.ref(parameter)
         self.locations = tuple(locations)
         self.mesh = mesh
-        self.world = mesh.size()
-        self.rank = mesh.get_local_rank()
+        self.placements = placements(mesh)
+        self.world = mesh.size(mesh.ndim - 1)
+        self.rank = mesh.get_local_rank(mesh.ndim - 1)
         self.shape = parameter.shape
         # The mixed-precision dtype of the gathered parameter; None: the parameter's own.
         floating = parameter.dtype.is_floating_point
@@ -69,12 +82,24 @@ class ManagedParameter:
             sharded = DTensor.from_local(
                 local,
                 mesh,
-                [Shard(0)],
+                self.placements,
                 run_check=False,
                 shape=parameter.shape,
                 stride=parameter.stride(),
             )
         self.sharded = nn.Parameter(sharded, requires_grad=parameter.requires_grad)
+        # FSDP2's post-forward mesh (an int reshard_after_forward): after forward, each
+        # rank keeps 1/N of the gathered padded rows, registered as a DTensor
+        # (Replicate(), Shard(0)) on a (W/N, N) mesh, and backward gathers over N ranks.
+        self.post_forward_mesh = post_forward_mesh
+        self._post_forward_data: Tensor | None = None
+        if post_forward_mesh is not None:
+            size = post_forward_mesh.size(1)
+            self.post_forward_rank = post_forward_mesh.get_local_rank(1)
+            self.post_forward_numel = self.world // size * self.padded_shard_numel
+            rows = -(-self.rows // size)  # torch.chunk's split, as FSDP2's registered shape
+            rows = max(0, min(rows, self.rows - self.post_forward_rank * rows))
+            self.post_forward_shape = torch.Size((rows, *self.shape[1:]))
         self._gathered: Tensor | None = None
         self.unsharded: nn.Parameter | None = None
         # Gradients kept unreduced (no_sync) in the reduce dtype, when it differs.
@@ -185,8 +210,37 @@ class ManagedParameter:
     def reshard(self) -> None:
         """Register the sharded parameter again and free the unsharded storage."""
         self.install(self.sharded)
+        self._post_forward_data = None
         if self._gathered is not None:
             self._gathered.untyped_storage().resize_(0)
+
+    def reshard_post_forward(self) -> None:
+        """Keep this rank's 1/N of the gathered rows, register them, free the rest (FSDP2's)."""
+        mesh, gathered = self.post_forward_mesh, self._gathered
+        if mesh is None or gathered is None:
+            raise RuntimeError(f"fully_shard: {self.fqn!r} has no post-forward mesh or gather")
+        start = self.post_forward_rank * self.post_forward_numel
+        data = gathered[start : start + self.post_forward_numel].clone()
+        local = data[: self.post_forward_shape.numel()].view(self.post_forward_shape)
+        with torch.no_grad():
+            registered = DTensor.from_local(
+                local,
+                mesh,
+                (Replicate(), Shard(0)),
+                run_check=False,
+                shape=self.shape,
+                stride=self.sharded.stride(),
+            )
+        self.install(nn.Parameter(registered, requires_grad=self.sharded.requires_grad))
+        self._post_forward_data = data
+        gathered.untyped_storage().resize_(0)
+
+    def post_forward_input(self) -> Tensor:
+        """What this rank contributes to the all-gather over the post-forward mesh: flat."""
+        if self._post_forward_data is None:
+            raise RuntimeError(f"fully_shard: {self.fqn!r} is not resharded post-forward")
+        data, self._post_forward_data = self._post_forward_data, None
+        return data
 
     # ----------------------------------------------------------------- gradients
 
@@ -242,7 +296,7 @@ class ManagedParameter:
                 self.sharded.grad = DTensor.from_local(
                     local,
                     self.mesh,
-                    [Shard(0)],
+                    self.placements,
                     run_check=False,
                     shape=self.shape,
                     stride=self.sharded.stride(),
