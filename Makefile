@@ -3,7 +3,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PYTHON ?= python3
 
-.PHONY: test lint typecheck unit demo bench dist compat fuzz mutate mutate-apis clean
+.PHONY: test lint typecheck docs unit demo bench dist compat fuzz mutate mutate-apis clean
 
 $(BIN)/.installed: pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -11,7 +11,7 @@ $(BIN)/.installed: pyproject.toml requirements-dev.txt
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e .
 	touch $@
 
-test: lint typecheck unit
+test: lint typecheck docs unit
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
@@ -22,6 +22,11 @@ typecheck: $(BIN)/.installed
 	$(BIN)/mypy
 	$(BIN)/mypy --disallow-any-expr examples
 	$(BIN)/basedpyright
+
+# The documentation site, into site/: strict, so a broken link, a missing reference entry or
+# a docstring that does not render fails the build. tests/test_docs.py runs the pages' code.
+docs: $(BIN)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 unit: $(BIN)/.installed
 	@$(BIN)/python -c 'import platform, torch; print(f"testing against torch {torch.__version__} (Python {platform.python_version()})")'
@@ -68,4 +73,4 @@ mutate-apis: $(BIN)/.installed
 	$(BIN)/python tools/api_mutants.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis mutants
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis mutants site

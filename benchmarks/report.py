@@ -3,8 +3,10 @@
 Writes, under ``benchmarks/results/``: ``benchmarks.json`` (pytest-benchmark's raw
 output), ``RESULTS.md`` (medians of both libraries side by side, the ratio
 torchcontract / torch, growth from 64 to 512 blocks, bytes per module, and the
-machine) and ``apply_scaling.png`` (apply time against module count, log-log).
-``python -m benchmarks.report --no-run`` rebuilds the last two from the JSON.
+machine); ``docs/images/apply_scaling.png`` (apply time against module count,
+log-log); and the results section of the documentation's performance page,
+``docs/performance.md``. ``python -m benchmarks.report --no-run`` rebuilds all
+but the JSON from the last run's.
 """
 
 from __future__ import annotations
@@ -29,11 +31,16 @@ HERE: Final = Path(__file__).resolve().parent
 RESULTS: Final = HERE / "results"
 RAW: Final = RESULTS / "benchmarks.json"
 TABLE: Final = RESULTS / "RESULTS.md"
-PLOT: Final = RESULTS / "apply_scaling.png"
-README: Final = HERE.parent / "README.md"
-#: The README carries the latest RESULTS.md between these two lines.
-README_START: Final = "<!-- benchmark results: written by make bench -->"
-README_END: Final = "<!-- end of benchmark results -->"
+ROOT: Final = HERE.parent
+PLOT: Final = ROOT / "docs" / "images" / "apply_scaling.png"
+PAGE: Final = ROOT / "docs" / "performance.md"
+#: The performance page carries the latest RESULTS.md between these two lines.
+PAGE_START: Final = "<!-- benchmark results: written by make bench -->"
+PAGE_END: Final = "<!-- end of benchmark results -->"
+
+PLOT_CAPTION: Final = "Apply time against module count, log-log"
+#: How RESULTS.md names the plot; the page shows the plot itself in its place.
+PLOT_LINE: Final = f"Plot: `{PLOT.relative_to(ROOT)}` (apply time against module count, log-log)."
 
 OURS: Final = "torchcontract"
 TORCH: Final = "torch"
@@ -444,7 +451,7 @@ def markdown(results: Sequence[Result], document: dict[str, Any]) -> str:
             *memory,
             "",
         ]
-    parts += [f"Plot: `{PLOT.name}` (apply time against module count, log-log).", ""]
+    parts += [PLOT_LINE, ""]
     return "\n".join(parts)
 
 
@@ -491,18 +498,18 @@ def plot(results: Sequence[Result], path: Path) -> None:
     plt.close(figure)
 
 
-def update_readme(results_markdown: str) -> None:
-    """Replace the README's benchmark section with ``results_markdown`` (headings demoted)."""
-    readme = README.read_text()
-    start, end = readme.index(README_START), readme.index(README_END)
+def update_page(results_markdown: str) -> None:
+    """Replace the performance page's results with ``results_markdown``, the plot shown inline."""
+    page = PAGE.read_text()
+    start, end = page.index(PAGE_START), page.index(PAGE_END)
     body = results_markdown.replace("# Benchmark results\n\n", "", 1).replace(
-        "`apply_scaling.png`", "`benchmarks/results/apply_scaling.png`"
+        PLOT_LINE, f"![{PLOT_CAPTION}]({PLOT.relative_to(PAGE.parent)})"
     )
-    README.write_text(f"{readme[: start + len(README_START)]}\n{body.strip()}\n{readme[end:]}")
+    PAGE.write_text(f"{page[: start + len(PAGE_START)]}\n{body.strip()}\n{page[end:]}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Run the suite (unless ``--no-run``), write RESULTS.md, the plot and the README table."""
+    """Run the suite (unless ``--no-run``), write RESULTS.md, the plot and the page's tables."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__)
     parser.add_argument(
         "--no-run", action="store_true", help="rebuild the table and plot from the last JSON"
@@ -515,10 +522,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     text = markdown(results, document)
     TABLE.write_text(text)
     plot(results, PLOT)
-    update_readme(text)
+    update_page(text)
     print()
     print(text)
-    print(f"Wrote {TABLE.relative_to(HERE.parent)} and {PLOT.relative_to(HERE.parent)}.")
+    print(
+        f"Wrote {TABLE.relative_to(ROOT)}, {PLOT.relative_to(ROOT)} and {PAGE.relative_to(ROOT)}."
+    )
 
 
 if __name__ == "__main__":

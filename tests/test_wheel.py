@@ -1,8 +1,8 @@
-"""The built wheel, installed alone in a fresh environment, works as the README says.
+"""The built wheel, installed alone in a fresh environment, works as the documentation says.
 
 Builds the wheel from this checkout, installs it (not editable) with its declared
 dependencies into a new virtual environment, and there, from a directory outside
-the checkout, runs the README's API tour and type-checks a small strictly typed
+the checkout, runs the API tour of the documentation and type-checks a small strictly typed
 user file with mypy. A module left out of the wheel, a missing ``py.typed`` or a
 wrong dependency fails here.
 """
@@ -10,7 +10,6 @@ wrong dependency fails here.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import sys
 import textwrap
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from commands import run_command
+from pages import DOCS, code_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,9 +111,7 @@ def test_built_wheel_runs_the_tour_and_type_checks_in_a_fresh_environment(
     )
     work = tmp_path / "user"
     work.mkdir()
-    tour = "\n".join(
-        re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.DOTALL)
-    )
+    tour = "\n".join(code_blocks(DOCS / "getting-started.md", "python"))
     (work / "tour.py").write_text(tour)
     printed = _run(python, "tour.py", cwd=work)
     assert "__main__.scale is already applied to Linear" in printed

@@ -1,7 +1,7 @@
 """Summarize the last `make mutate` run: killed, survived and timed out, per module.
 
 Reads the result files mutmut leaves next to each mutated module under mutants/,
-prints a Markdown table (what the README's "Mutation testing" subsection holds) and
+prints a Markdown table (what "Mutation testing" in docs/development.md holds) and
 then every mutant that was not killed, by name, for tests/mutation/survivors.md.
 """
 

@@ -84,7 +84,7 @@ _Item = TypeVar("_Item", bound=nn.Module)
 
 @attrs.frozen
 class EmptyState:
-    """The record of an API that keeps no state of its own."""
+    """The record of an API that keeps no state of its own: ``contract()``'s default."""
 
 
 class Application(Generic[_S_co]):
@@ -95,6 +95,9 @@ class Application(Generic[_S_co]):
     hooks along with the module) even once the API is applied to the copy, after the
     application was rolled back, and after the module died. Copying or pickling a
     handle gives a detached one, whose ``record`` is always None. Holds no module.
+
+    Taken with ``api.application(module)`` inside the API function; generic in the
+    record class, and covariant (it only hands records out).
     """
 
     __slots__ = ("_cell", "_cells")
@@ -104,7 +107,15 @@ class Application(Generic[_S_co]):
         self._cell = cell
 
     def record(self, module: nn.Module) -> _S_co | None:
-        """The record of ``module`` if this application installed it, else None."""
+        """The record of ``module`` if this application installed it, else None.
+
+        Args:
+            module: The module the hook was called for.
+
+        Returns:
+            The record, while it belongs to this application; None on a copy of the
+            module, after a rollback, after the module died, and for a detached handle.
+        """
         cell = self._cells.get(id(module))
         if cell is None or cell is not self._cell:
             return None
@@ -144,6 +155,19 @@ class Contract(Generic[_P, _R_co, _S]):
     ``_P``, what a call returns ``_R_co`` (covariant) and the record class ``_S``
     (invariant: records go in as well as out). Contracts are
     compared and hashed by identity and pickle by reference.
+
+    Type checkers see the shape the API function has: ``ModuleContract``,
+    ``ModuleListContract`` or ``ModuleSequenceContract`` for functions that return
+    the module given (at run time all are a ``Contract``).
+
+    Attributes:
+        name: ``module.qualname`` of the API function (``mylib.shard``), as every error
+            names the API.
+        state_cls: The record class.
+        store: The ``StateStore`` the records live in.
+        rules: The ``Incompatible`` rules this API declared.
+        strict: Whether class changes to a non-subclass and instance ``forward``
+            assignments are refused during an apply.
     """
 
     if TYPE_CHECKING:
@@ -232,7 +256,20 @@ class Contract(Generic[_P, _R_co, _S]):
     # ----------------------------------------------------------------- apply
 
     def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R_co:
-        """Apply the API; see ``contract`` for the steps and what each may raise."""
+        """Apply the API to the module (or list of modules) given first, atomically.
+
+        Installs the default record and a registry entry, runs the API function, then
+        checks that every FQN is unchanged; on any exception all of it is undone. See
+        ``contract`` for the errors each step raises.
+
+        Args:
+            *args: The module (or a non-empty list of distinct modules), then the API
+                function's other positional arguments.
+            **kwargs: The API function's keyword arguments.
+
+        Returns:
+            What the API function returned, or what it was given when it returned None.
+        """
         if not args:
             raise InvalidTargetError(
                 f"{self.name}: pass the module (or a list of modules) as the first "
@@ -347,10 +384,19 @@ class Contract(Generic[_P, _R_co, _S]):
     # ----------------------------------------------------------------- state
 
     def state(self, module: nn.Module) -> _S:
-        """The record of ``module``; ``NotAppliedError`` if the API is not applied to it.
+        """The record of ``module``: one dictionary lookup, safe in hooks and under compile.
 
         Each instance answers through the closure ``_state_reader`` made for it,
         which its ``__dict__`` holds under this name; this method only defers to it.
+
+        Args:
+            module: A module the API is applied to (each root of a list apply).
+
+        Returns:
+            The record, typed as the state class.
+
+        Raises:
+            NotAppliedError: The API is not applied to ``module``.
         """
         reader: Callable[[nn.Module], _S] = self.__dict__["state"]
         return reader(module)
@@ -360,13 +406,29 @@ class Contract(Generic[_P, _R_co, _S]):
 
         Call it inside the API function and let the hooks it installs hold the handle:
         ``handle.record(m)`` answers None on a copy of the module, so hooks a copy
-        inherits stay inert even after the API is applied to the copy. Raises
-        ``NotAppliedError`` if the API is not applied to ``module``.
+        inherits stay inert even after the API is applied to the copy.
+
+        Args:
+            module: The module the API is being applied to.
+
+        Returns:
+            The handle; ``handle.record(m)`` gives the record while it belongs to this
+            application.
+
+        Raises:
+            NotAppliedError: The API is not applied to ``module``.
         """
         return Application(self._cells, self._cell(module))
 
     def get_state(self, module: nn.Module) -> _S | None:
-        """The record of ``module``, or None if the API is not applied to it."""
+        """The record of ``module``, or None if the API is not applied to it.
+
+        Args:
+            module: Any module.
+
+        Returns:
+            The record, or None.
+        """
         cell = self._cells.get(id(module))
         if cell is None:
             return None
@@ -376,7 +438,15 @@ class Contract(Generic[_P, _R_co, _S]):
     def entry(self, module: nn.Module) -> RegistryEntry[Self]:
         """The registry entry of this API's application to ``module``, typed by this contract.
 
-        ``NotAppliedError`` if the API is not applied to exactly ``module``.
+        Args:
+            module: The module the API was applied to.
+
+        Returns:
+            The entry, whose ``api`` is this contract with its signature and record
+            class, and whose ``args``, ``kwargs`` and ``arguments`` are the call's.
+
+        Raises:
+            NotAppliedError: The API is not applied to exactly ``module``.
         """
         entry = REGISTRY.get(module, self)
         if entry is None:
@@ -384,11 +454,29 @@ class Contract(Generic[_P, _R_co, _S]):
         return entry
 
     def is_applied(self, module: nn.Module) -> bool:
-        """Whether this API is applied to exactly ``module``."""
+        """Whether this API is applied to exactly ``module`` (not around it).
+
+        Args:
+            module: Any module.
+
+        Returns:
+            True while ``module`` has this API's record.
+        """
         return id(module) in self._cells
 
     def set_state(self, module: nn.Module, record: _S) -> None:
-        """Replace ``module``'s record with ``record``, an instance of the state class."""
+        """Replace ``module``'s record with ``record``, under the store's write lock.
+
+        Args:
+            module: A module the API is applied to.
+            record: The new record: an instance of the state class that holds no
+                module (store an FQN or a weak reference instead).
+
+        Raises:
+            NotAppliedError: The API is not applied to ``module``.
+            InvalidRecordError: ``record`` is not of the state class, or reaches a
+                module; the message names the field.
+        """
         updater: _Updater = self.__dict__["update"]
         updater(module, lambda _: record, "set_state")  # checked once, under the lock
 
@@ -400,6 +488,19 @@ class Contract(Generic[_P, _R_co, _S]):
         threads. If it raises, or returns something other than a record of the state
         class, the record is unchanged. Like ``state``, each instance answers through a
         closure (``_updater``) in its ``__dict__``; this method only defers to it.
+
+        Args:
+            module: A module the API is applied to.
+            transition: Takes the current record and returns the new one, typically
+                ``lambda s: attrs.evolve(s, calls=s.calls + 1)``.
+
+        Returns:
+            The new record.
+
+        Raises:
+            NotAppliedError: The API is not applied to ``module``.
+            InvalidRecordError: ``transition`` returned something other than a record
+                of the state class, or a record that reaches a module.
         """
         updater: _Updater = self.__dict__["update"]
         record: _S = updater(module, transition)
@@ -416,7 +517,18 @@ class Contract(Generic[_P, _R_co, _S]):
     def bind_arguments(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
         """Bind a call's arguments (without the module) to the API function, defaults filled in.
 
-        ``ArgumentBindingError`` naming the offending keyword if they do not fit.
+        What ``RegistryEntry.arguments`` answers.
+
+        Args:
+            args: Positional arguments after the module.
+            kwargs: Keyword arguments.
+
+        Returns:
+            Every parameter but the module, by name.
+
+        Raises:
+            ArgumentBindingError: The arguments do not fit the signature; the message
+                names the offending keyword and the closest parameter.
         """
         return bind_arguments(self._api_signature, self.name, args, kwargs)
 
@@ -429,6 +541,7 @@ class Contract(Generic[_P, _R_co, _S]):
 
 
 AnyContract = Contract[..., Any, Any]
+"""Any contract, whatever its signature, result and record class: what the registry keys by."""
 
 #: The methods every contract adds to its function, listed by ``help()``.
 _METHODS: Final = (
@@ -765,19 +878,34 @@ def contract(
 ) -> _Decorator[Any]:
     """Make a composable API of ``func(module, *args, **kwargs) -> module | None``.
 
-    ``state_cls`` is a frozen attrs class whose fields all have defaults
-    (``InvalidStateClassError`` otherwise, at decoration). ``store`` keeps the
-    records (the shared default store if None). ``incompatible_with`` lists
-    ``Incompatible`` rules. ``strict`` also rejects class changes to a
-    non-subclass and instance-level ``forward`` assignments during apply.
+    Used as a decorator, ``@contract(StateClass)`` on the API function. Calling the
+    API it makes raises, before ``func`` runs: ``InvalidTargetError`` for a bad
+    first argument, ``CyclicModuleTreeError`` for a tree holding a module inside
+    itself, ``IncompatibleAPIError`` when a rule forbids the combination,
+    ``AlreadyAppliedError`` on a second application; after it: ``InvalidResultError``
+    for a result that is not the module(s) given or a replacement,
+    ``FQNChangedError`` when a parameter, buffer or module FQN changed,
+    ``ContractError`` for a strict check. On any exception every record and
+    registry entry the call installed is removed, and every ``on_rollback`` step
+    runs; the module itself keeps whatever ``func`` did to it otherwise.
 
-    Calling the API: ``InvalidTargetError`` for a bad first argument,
-    ``CyclicModuleTreeError`` for a tree holding a module inside itself (before or
-    after ``func``), ``IncompatibleAPIError`` or ``AlreadyAppliedError`` before
-    ``func`` runs, ``InvalidResultError``, ``FQNChangedError`` or ``ContractError``
-    after it.
-    On any exception every record and registry entry the call installed is
-    removed; the module itself keeps whatever ``func`` did to it.
+    Args:
+        state_cls: The record class: a frozen attrs class whose fields all have
+            defaults. ``EmptyState`` if the API keeps no state.
+        store: Where the records live; the shared default store if None.
+        incompatible_with: ``Incompatible`` rules naming the APIs this one cannot be
+            combined with.
+        strict: Also refuse, during an apply, a class change to anything but a
+            subclass (or what ``cls_to_become`` names) and assigning or deleting an
+            instance's ``forward``.
+
+    Returns:
+        A decorator turning ``func`` into a ``Contract``, typed by ``func``'s shape
+        (``ModuleContract`` for a function returning None, and so on).
+
+    Raises:
+        InvalidStateClassError: ``state_cls`` is not a frozen attrs class whose fields
+            all have defaults, or its default record holds a module.
     """
     return _Decorator(
         state_cls,

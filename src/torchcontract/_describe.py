@@ -24,6 +24,14 @@ def describe(module: nn.Module) -> str:
     One line per module, ``name: Class  [apis]``. A subtree without any API is a
     single line with its module count; a run of numbered siblings (as in a
     ``ModuleList``) that render alike is merged into one line (``0-511: Block ×512``).
+    torch's own composable APIs are shown too, marked ``(torch)``. A module that
+    contains itself (a cycle) is shown as one line saying so: it always ends.
+
+    Args:
+        module: The root of the tree.
+
+    Returns:
+        The tree as text, one module per line, children indented under their parent.
     """
     return "\n".join(_Renderer(module).render(type(module).__qualname__, module, ""))
 

@@ -15,7 +15,14 @@ def exported_from(package: str) -> Callable[[_F], _F]:
 
     The contract's name (in every error message) then reads
     ``package.func``, and pickling by reference finds the contract where users
-    import it from.
+    import it from. Put it below ``@contract(...)``, so that it runs first.
+
+    Args:
+        package: The module users import the API from, e.g.
+            ``"torchcontract.apis.fully_shard"``.
+
+    Returns:
+        A decorator that sets the function's ``__module__`` and returns the function.
     """
 
     def export(func: _F) -> _F:

@@ -52,7 +52,13 @@ class FQNSnapshot:
     ``state_dict_parameters`` lists parameters at every path, as ``state_dict()`` does.
     ``modules`` holds the module objects behind ``module_fqns``, ``classes`` their
     classes and ``forwards`` their instance-level ``forward`` (or None) at snapshot
-    time, for the stricter checks. Immutable; compared by identity.
+    time, for the stricter checks. Immutable; compared by identity. Not made directly:
+    the constructor raises ``TypeError``.
+
+    Attributes:
+        modules: The module objects of the tree, in ``named_modules(remove_duplicate=False)``
+            order.
+        classes: The class of each of ``modules`` at snapshot time.
     """
 
     # Few slots: a snapshot is built twice per apply, and each slot written costs.
@@ -203,10 +209,22 @@ def take_snapshot(
 ) -> FQNSnapshot:
     """Walk ``root`` once, pre-order, and return its FQN snapshot.
 
-    Raises ``CyclicModuleTreeError`` if a module of the tree contains itself, and
-    ``ContractError`` if the tree is nested deeper than Python's recursion limit lets
-    ``named_modules()`` walk; the message starts with ``api_name`` and names the
-    root by ``label`` (its class name if None).
+    What ``contract`` compares before and after an API function; an extension can
+    compare two snapshots of its own the same way.
+
+    Args:
+        root: The root of the tree to walk.
+        api_name: How error messages start: the API taking the snapshot.
+        label: Names ``root`` in error messages (its class name if None); pass
+            ``module_label``.
+
+    Returns:
+        The snapshot; its FQN tuples are built on first use.
+
+    Raises:
+        CyclicModuleTreeError: A module of the tree contains itself.
+        ContractError: The tree is nested deeper than Python's recursion limit lets
+            ``named_modules()`` walk.
     """
     try:
         return _walk(root)

@@ -23,6 +23,13 @@ def module_label(module: nn.Module) -> str:
     names it by its path there; otherwise the label is the class name alone,
     ``Linear``. Ends on any tree, a cyclic one included. Thread-safe: reads a copy
     of the applied modules.
+
+    Args:
+        module: The module to name.
+
+    Returns:
+        One line, never the module's repr (which runs to thousands of lines on a
+        large model).
     """
     name = type(module).__qualname__
     for root in REGISTRY.modules():

@@ -64,6 +64,13 @@ class RegistryEntry(Generic[_C_co]):
     them to the API function's signature, defaults included. They are kept as given,
     for as long as the module lives, and not walked: an argument that reaches the
     module (itself, a bound method of it, a closure over it) keeps it alive.
+    Entries are made by applying an API; read them with ``registry(module)`` or
+    ``api.entry(module)``. Compared by identity.
+
+    Attributes:
+        api: The contract that was applied.
+        args: The positional arguments of the call, without the module.
+        kwargs: The keyword arguments of the call (a read-only mapping).
     """
 
     api: _C_co
@@ -75,8 +82,11 @@ class RegistryEntry(Generic[_C_co]):
         """Every parameter but the module, by name, as bound at the call, defaults filled in.
 
         Values are ``object``: narrow them (``isinstance``, ``is True``) before use.
-        ``ArgumentBindingError`` naming the offending keyword if the call's arguments
-        do not fit the API function's signature.
+
+        Raises:
+            ArgumentBindingError: The call's arguments do not fit the API function's
+                signature (an untyped caller's misspelt keyword); the message names the
+                keyword and the closest parameter.
         """
         return self.api.bind_arguments(self.args, self.kwargs)
 
@@ -89,13 +99,32 @@ REGISTRY: Final[ModuleTable[AnyContract, RegistryEntry[Any]]] = ModuleTable()
 def registry(module: nn.Module) -> Mapping[AnyContract, RegistryEntry]:
     """The APIs applied to exactly ``module`` (not its descendants), in application order.
 
-    A read-only copy: empty, never None, when nothing is applied.
+    One process-wide table, whatever store each API keeps its records in.
+
+    Args:
+        module: The module to look up.
+
+    Returns:
+        A read-only copy mapping each contract applied to ``module`` to its entry;
+        empty, never None, when nothing is applied.
     """
     return MappingProxyType(dict(REGISTRY.row(module)))
 
 
 def torch_registry(module: nn.Module) -> Mapping[str, object]:
-    """The composable APIs of ``torch.distributed._composable`` applied to ``module``, by name."""
+    """The composable APIs of ``torch.distributed._composable`` applied to ``module``, by name.
+
+    Torch keeps its own registry on the module; torchcontract's rules can name these
+    APIs (``TorchAPIName``), and ``describe`` shows them beside ours.
+
+    Args:
+        module: The module to look up.
+
+    Returns:
+        A read-only mapping from the name torch registers an API under
+        (``"fully_shard"``, ``"replicate"``, ``"checkpoint"``) to torch's entry; empty
+        when torch applied none.
+    """
     from torch.distributed._composable.contract import REGISTRY_KEY
 
     # Read __dict__ directly: a missing attribute costs nn.Module.__getattr__ a raise.
@@ -105,12 +134,16 @@ def torch_registry(module: nn.Module) -> Mapping[str, object]:
 
 #: Where a rule forbids the other API: the same module only, or also around and inside it.
 RuleScope = Literal["module", "tree"]
+"""Where a rule forbids the other API: ``"module"``, the same module only; ``"tree"``, also
+modules nested inside or around it."""
 
 
 #: The names under which torch's composable APIs register in this torch (its ``@contract``
 #: keys an API by its function's name): ``torch.distributed._composable``'s ``checkpoint``
 #: and ``replicate``, and FSDP2's ``fully_shard``.
 TorchAPIName = Literal["checkpoint", "fully_shard", "replicate"]
+"""The names torch's composable APIs register under (its ``@contract`` keys an API by its
+function's name), which an ``Incompatible`` rule may name instead of a contract."""
 TORCH_API_NAMES: Final[tuple[str, ...]] = get_args(TorchAPIName)
 
 
@@ -144,6 +177,19 @@ class Incompatible:
     so ``entry.api`` is typed as ``other``. A predicate that raises is reported as
     ``RulePredicateError`` naming the rule, or ``ArgumentBindingError`` when the call it
     reads has arguments the API does not take.
+
+    Args:
+        other: The API the declaring one cannot be combined with: a contract, or a
+            ``TorchAPIName``.
+        scope: ``"tree"`` (default) forbids ``other`` on the same module and on modules
+            nested inside or around it; ``"module"`` on the same module only.
+        when: A predicate on ``other``'s registry entry; the rule applies only where it
+            answers True. Not for a torch API, whose registry records no arguments.
+
+    Raises:
+        UnknownTorchAPIError: ``other`` is a string torch registers no API under; the
+            message lists the known names and the closest one.
+        TypeError: ``when`` was given for a torch API.
     """
 
     other: AnyContract | TorchAPIName

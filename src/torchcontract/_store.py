@@ -112,10 +112,13 @@ class ModuleTable(Generic[_K, _V]):
         with WRITE_LOCK:
             column = self._columns.get(id(key))
             if column is None:
-                # list(): a module dying mid-walk drops its row from _slots.
+                # A copy: a module dying mid-walk drops its row from _slots. dict.copy()
+                # allocates no object per row, so no garbage collection (and no weak
+                # reference callback dropping a row) can run inside it, as one can
+                # inside list(items()), which makes a tuple per row.
                 column = self._columns[id(key)] = {
                     module_id: slot.items[key]
-                    for module_id, slot in list(self._slots.items())
+                    for module_id, slot in self._slots.copy().items()
                     if key in slot.items
                 }
                 self._column_keys[id(key)] = _new_key_ref(key, self._drop_column)
@@ -337,7 +340,13 @@ class StateStore:
     Weakly keyed by module identity: it never keeps a module alive, works for
     modules that define ``__eq__``/``__hash__`` or are unhashable, and adds nothing
     to a module's ``__dict__``. ``len(store)`` is the number of live modules it
-    holds records for. Thread-safe: reads take no lock, writes are serialized.
+    holds records for, and ``module in store`` whether it holds any for ``module``.
+    Thread-safe: reads take no lock, writes are serialized.
+
+    Every contract keeps its records in the shared default store unless made with
+    ``contract(..., store=StateStore())``, which isolates them (a test, a library
+    that wants its own). Records are read and written through the contract
+    (``api.state``, ``api.update``); the store itself is read-only.
     """
 
     __slots__ = ("_table",)
@@ -352,7 +361,15 @@ class StateStore:
         return isinstance(module, nn.Module) and bool(self._table.row(module))
 
     def records(self, module: nn.Module) -> Mapping[AnyContract, object]:
-        """A read-only copy of ``module``'s records, by API, in the order they were installed."""
+        """A read-only copy of ``module``'s records, by API, in the order they were installed.
+
+        Args:
+            module: The module to look up.
+
+        Returns:
+            Each contract keeping a record of ``module`` in this store, mapped to that
+            record; empty when there is none.
+        """
         # dict() copies the row in one step; iterating the live row in Python would
         # fail if another thread installed or removed a record meanwhile.
         row = dict(self._table.row(module))

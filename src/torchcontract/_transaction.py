@@ -39,6 +39,10 @@ def on_rollback(undo: Callable[[], None]) -> None:
     ``BaseException`` included; an apply that succeeds inside another one hands its
     steps to the enclosing apply, so they run if that one fails. ``undo`` must not
     raise. Outside an apply there is nothing to roll back, and ``undo`` is dropped.
+
+    Args:
+        undo: Called without arguments if the apply fails; puts back what the API
+            function changed just before registering it.
     """
     journal = _JOURNAL.get()
     if journal is not None:

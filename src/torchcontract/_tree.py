@@ -22,6 +22,14 @@ def named_tree(root: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Modu
     ``named_modules(remove_duplicate=False)``. A module already on the path to a
     child (a cycle in the tree) is not entered again, so the walk ends on any tree,
     where ``named_modules`` would recurse forever.
+
+    Args:
+        root: The root of the tree.
+        prefix: The FQN given to ``root``; its descendants' FQNs start with it.
+
+    Yields:
+        ``(fqn, module)`` pairs, as ``named_modules(prefix=prefix, remove_duplicate=False)``
+        would on a tree without cycles.
     """
     stack: list[tuple[str, nn.Module, int]] = [(prefix, root, 0)]
     path: list[int] = []  # ids of the modules from the root down to the current one
@@ -46,6 +54,12 @@ def root_modules(modules: Sequence[nn.Module]) -> list[nn.Module]:
     The targets of an API applied to a list: ``contract`` installs the record and
     registry entry on these, and an API function that registers hooks or builds a
     group over the list does the same. Each shared subtree is walked once.
+
+    Args:
+        modules: The modules an API was given.
+
+    Returns:
+        The roots, a new list in the order of ``modules``.
     """
     if len(modules) == 1:
         return list(modules)

@@ -27,8 +27,17 @@ def no_sync(module: nn.Module) -> Generator[None]:
     ``module`` and every module inside it), as FSDP2's
     ``set_requires_gradient_sync(False)``: backwards run inside the block keep
     unsharded gradients instead of reduce-scattering them. Restores the previous
-    settings on exit, so blocks nest. Raises ``NotAppliedError`` if neither API is
-    applied to ``module``.
+    settings on exit, so blocks nest.
+
+    Args:
+        module: A model under ``replicate``, or under ``fully_shard`` (applied to it
+            or to modules inside it).
+
+    Yields:
+        Nothing; gradients of the backwards the block covers stay local.
+
+    Raises:
+        NotAppliedError: Neither API is applied to ``module``.
     """
     if replicate.is_applied(module):
         with replicate_no_sync(module):

@@ -50,6 +50,12 @@ class CheckpointState:
     and fixed by it (the ``replicate`` compatibility rule reads ``use_reentrant``
     from the registry). ``enabled`` switches checkpointing of later forwards off
     and on again: ``checkpoint.update(m, lambda s: attrs.evolve(s, enabled=False))``.
+
+    Attributes:
+        use_reentrant: Whether the backward recomputes in a nested backward.
+        preserve_rng_state: Whether the recomputation replays the forward's random
+            numbers.
+        enabled: Whether later forwards are checkpointed.
     """
 
     use_reentrant: bool = False
@@ -400,9 +406,20 @@ def checkpoint(
     ``use_reentrant=True`` recomputes in a nested backward, which cannot be
     combined with ``replicate`` (its rule says so) and needs an input that
     requires grad: a forward without one is run unchecked, with a warning, so
-    its parameters still get gradients. Raises ``InvalidTargetError`` for a list
-    of modules (apply it to each), ``TypeError`` unless both options are True or
-    False.
+    its parameters still get gradients.
+
+    Args:
+        module: The module whose activations are recomputed (one module).
+        use_reentrant: Recompute in a nested backward, as
+            ``torch.utils.checkpoint(..., use_reentrant=True)``.
+        preserve_rng_state: Replay the forward's random numbers in the recomputation.
+
+    Returns:
+        ``module`` itself (the contract returns what it was given), typed as given.
+
+    Raises:
+        InvalidTargetError: A list of modules was given; apply it to each.
+        TypeError: An option is not True or False (the string ``"False"`` included).
     """
     require_one_module("checkpoint", module)
     require_bool("checkpoint", module, "use_reentrant", use_reentrant)

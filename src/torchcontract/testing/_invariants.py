@@ -56,6 +56,19 @@ class ModelCase(Generic[_M, _T_co]):
     must not change outputs or gradients (within ``tolerance``), nor which parameters
     get one; with False the differences are only reported; ``check_freed`` that
     the applied model is freed by reference counting alone once dropped (no cycle).
+
+    Attributes:
+        make_model: Builds the model from torch's RNG only (called twice, under the
+            same seed).
+        make_inputs: The positional inputs of one forward.
+        loss: Reduces the output to a scalar; by default the sum of its float tensors.
+        target: Picks the module the API is applied to; by default the model.
+        same_numerics: Whether outputs, gradients and which parameters get one must
+            stay as they were (True), or are only reported (False).
+        tolerance: The largest difference ``same_numerics`` allows.
+        check_freed: Whether the applied model must be freed by reference counting
+            alone once dropped.
+        seed: The seed of torch's RNG for building the model and running it.
     """
 
     make_model: Callable[[], _M]
@@ -128,6 +141,14 @@ class InvariantReport:
     is the largest over the parameters with a gradient in both runs;
     ``unmatched_gradients`` are the FQNs of the parameters with a gradient in one run
     only (an API that freezes parameters, checked with ``same_numerics=False``).
+
+    Attributes:
+        parameters: How many parameters of the applied model got a gradient.
+        output_difference: The largest absolute difference of the outputs.
+        gradient_difference: The largest absolute difference of the gradients both runs
+            have.
+        unmatched_gradients: The FQNs, sorted, of the parameters with a gradient in one
+            run only.
     """
 
     parameters: int
@@ -154,8 +175,20 @@ def check_api_invariants(
     record is an instance of its state class, is what its store holds, and
     holds no module; one forward and backward run, and (``same_numerics``) give
     the same outputs and gradients; the model is freed once dropped
-    (``check_freed``). Raises ``AssertionError`` naming the first invariant
-    broken; returns what was compared.
+    (``check_freed``).
+
+    Args:
+        api: The API to check.
+        case: The model, its inputs and what to require.
+        *args: Positional arguments of the API, after the target.
+        **kwargs: Keyword arguments of the API, checked against its signature by type
+            checkers.
+
+    Returns:
+        What was compared, with the largest differences seen.
+
+    Raises:
+        AssertionError: An invariant is broken; the message names the first one.
     """
     with fork_rng(devices=[]):
         manual_seed(case.seed)

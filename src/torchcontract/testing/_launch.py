@@ -34,13 +34,20 @@ _Ts = TypeVarTuple("_Ts")
 
 #: How ranks start: ``"forkserver"`` (fast, where the platform has it) or ``"spawn"``.
 StartMethod = Literal["forkserver", "spawn"]
+"""How ``run_distributed`` starts ranks: ``"forkserver"`` (fast, where the platform has it)
+or ``"spawn"``."""
 
 #: Imported once by the fork server, so each rank starts in milliseconds, not seconds.
 _PRELOAD: Final = ["torch", "torch.distributed", "torchcontract.apis"]
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0 and released)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0 and released).
+
+    Returns:
+        The port number; another process may take it before it is used, so bind it
+        soon.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
@@ -95,9 +102,27 @@ def run_distributed(
     the other ranks are killed. Of several failures, the root cause is raised (an
     exception from ``fn``, or a rank exiting without a report, before the connection
     errors its peers get when it leaves) and the others are added to it as notes.
-    ``RankFailedError`` if a rank dies without reporting or its exception does not
-    pickle; ``TimeoutError`` if the ranks are not all done within ``timeout`` seconds,
-    after killing them.
+
+    Args:
+        fn: A module-level function ``fn(rank, world_size, *args)``.
+        world_size: How many ranks to start.
+        timeout: Seconds for all ranks to report; then every rank's stack is shown and
+            the ranks are killed.
+        args: More arguments for ``fn``, the same on every rank; they must pickle.
+        start_method: How ranks start; ``"forkserver"`` where the platform has it.
+        threads_per_rank: Intra-op threads per rank; by default the CPUs shared evenly.
+
+    Returns:
+        What ``fn`` returned on each rank, by rank.
+
+    Raises:
+        RankFailedError: A rank died without reporting, or its exception does not
+            pickle (otherwise the rank's own exception is raised, with this as its
+            ``__cause__``).
+        TimeoutError: The ranks were not all done within ``timeout`` seconds; the
+            message shows every hung rank's stack.
+        ValueError: ``world_size`` is less than 1.
+        TypeError: ``fn`` or ``args`` do not pickle.
     """
     if world_size < 1:
         raise ValueError(f"run_distributed: world_size must be at least 1, got {world_size}")

@@ -149,21 +149,38 @@ def replicate(
     every parameter some rank used since the last such backward; with
     ``broadcast_buffers`` rank 0's buffers are copied to every rank before each
     forward that follows such a forward. Every rank must run the same
-    synchronizing forwards and backwards. ``bucket_cap_mb`` bounds the bytes
-    reduced in one collective.
+    synchronizing forwards and backwards.
 
     Cannot be combined with ``checkpoint(use_reentrant=True)`` on the same or
     nested modules, nor with torch's own ``replicate`` or ``fully_shard`` on the
-    module or inside it (gradients would be averaged twice). Raises
-    ``ContractError`` if no process group is initialized, ``ValueError`` for a
-    non-positive or infinite ``bucket_cap_mb`` or a group this rank is not in,
-    ``TypeError`` for an argument of the wrong type.
+    module or inside it (gradients would be averaged twice).
 
     As DDP at construction, every rank of the group first checks that all hold the
     same model (the name, shape, dtype and ``requires_grad`` of every parameter and
     buffer, in order): where they differ, every rank raises ``ModelMismatchError``
-    naming the first difference; none is left waiting. A module with no parameter
-    that requires a gradient raises ``InvalidTargetError``, as DDP refuses it.
+    naming the first difference; none is left waiting.
+
+    Args:
+        module: The model (one module; a list is refused).
+        process_group: The group gradients are averaged over; the default group if
+            None.
+        bucket_cap_mb: At most this many MiB of gradients are reduced in one
+            collective (the first bucket holds at most 1 MiB).
+        broadcast_buffers: Copy rank 0's buffers to every rank before each forward
+            that follows a synchronizing one, as DDP does.
+
+    Returns:
+        ``module`` itself (the contract returns what it was given), typed as given.
+
+    Raises:
+        ContractError: No process group is initialized.
+        ModelMismatchError: The ranks hold different models (raised on every rank).
+        InvalidTargetError: ``module`` has no parameter that requires a gradient, or
+            is a list.
+        ValueError: ``bucket_cap_mb`` is not positive and finite, or this rank is not
+            in ``process_group``.
+        TypeError: An argument is of the wrong type.
+        IncompatibleAPIError: A rule forbids the combination (see above).
     """
     require_one_module("replicate", module)
     cap_bytes = _bucket_cap_bytes(module, bucket_cap_mb)
@@ -226,9 +243,17 @@ def rank_local(module: nn.Module) -> Generator[None]:
     arm nothing: a backward through their outputs only accumulates locally (the
     next synchronizing backward averages what it accumulated, as after a forward
     of ``ddp.module``), and the next forward outside the block broadcasts buffers
-    exactly when it would have without the block. Raises ``NotAppliedError`` if
-    ``replicate`` is not applied to ``module``. Restores the previous setting on
+    exactly when it would have without the block. Restores the previous setting on
     exit, so blocks nest.
+
+    Args:
+        module: The module ``replicate`` was applied to.
+
+    Yields:
+        Nothing; the forwards of ``module`` inside the block are rank-local.
+
+    Raises:
+        NotAppliedError: ``replicate`` is not applied to ``module``.
     """
     previous = replicate.state(module).rank_local
     replicate.update(module, lambda record: attrs.evolve(record, rank_local=True))

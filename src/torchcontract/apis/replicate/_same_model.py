@@ -35,7 +35,11 @@ _Entry = tuple[str, str, tuple[int, ...], str, bool]
 
 
 class ModelMismatchError(ContractError):
-    """``replicate``: the ranks of the group hold different models (raised on every rank)."""
+    """``replicate``: the ranks of the group hold different models (raised on every rank).
+
+    The message names the first parameter or buffer that differs and both ranks'
+    name, shape, dtype and ``requires_grad`` for it.
+    """
 
 
 def _summarize(module: nn.Module) -> list[_Entry]:

@@ -18,15 +18,22 @@ def _group_repr(group: dist.ProcessGroup | None) -> str:
 class ReplicateState:
     """The record of ``replicate`` on a module.
 
-    ``process_group``: the group gradients are averaged over. ``buckets``: the
-    FQNs of the parameters reduced together, in launch order (rebuilt once, after
-    the first synchronized backward, in the order gradients arrived).
-    ``broadcast_buffers``: whether rank 0's buffers are copied to every rank before
-    each forward that follows a synchronized one, as ``DistributedDataParallel``
-    does. ``step``: the number of synchronized backward passes.
-    ``sync_gradients``: False while forwards build graphs whose backward only
-    accumulates locally (see ``no_sync``). ``rank_local``: True while forwards run
-    on this rank alone, with no collective (see ``rank_local``).
+    The runtime bookkeeping (bucket buffers, used parameters, pending collectives)
+    lives in a reducer that only the hooks hold, not here.
+
+    Attributes:
+        process_group: The group gradients are averaged over.
+        buckets: The FQNs of the parameters reduced together, in launch order (rebuilt
+            once, after the first synchronized backward, in the order gradients
+            arrived).
+        broadcast_buffers: Whether rank 0's buffers are copied to every rank before
+            each forward that follows a synchronized one, as
+            ``DistributedDataParallel`` does.
+        step: The number of synchronized backward passes.
+        sync_gradients: False while forwards build graphs whose backward only
+            accumulates locally (see ``no_sync``).
+        rank_local: True while forwards run on this rank alone, with no collective
+            (see ``rank_local``).
     """
 
     process_group: dist.ProcessGroup | None = attrs.field(default=None, repr=_group_repr)

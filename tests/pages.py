@@ -1,0 +1,58 @@
+"""The README and the documentation pages as the tests read them: code blocks, and running them.
+
+One runner for every page: a page's Python blocks, joined in order, run as one script
+in a fresh ``__main__`` (so pickling and qualified names behave as in a script), and
+what they print is returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import linecache
+import re
+import sys
+import types
+from pathlib import Path
+
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+
+
+def pages() -> list[Path]:
+    """The README, then every page of the documentation site."""
+    return [README, *sorted(DOCS.rglob("*.md"))]
+
+
+def code_blocks(page: Path, language: str) -> list[str]:
+    """The blocks of ``page`` fenced as ``language`` (```` ```python ````), in order."""
+    return re.findall(rf"^```{language}\n(.*?)^```", page.read_text(), flags=re.DOTALL | re.M)
+
+
+def run_page(page: Path) -> str:
+    """Run the Python blocks of ``page`` as one script; return what it printed.
+
+    A page that starts a process group and fails before taking it down leaves none
+    behind for the next page.
+    """
+    script = "\n".join(code_blocks(page, "python"))
+    module = types.ModuleType("__main__")
+    saved = sys.modules["__main__"]
+    sys.modules["__main__"] = module
+    out = io.StringIO()
+    # The script is the page's blocks joined: its line numbers are not the page's.
+    # torch.compile reads a function's source through linecache, so give it the script's;
+    # it stays there, so that a failure's traceback shows the line.
+    filename = f"<code of {page.relative_to(ROOT)}>"
+    linecache.cache[filename] = (len(script), None, script.splitlines(keepends=True), filename)
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(script, filename, "exec"), module.__dict__)
+    finally:
+        sys.modules["__main__"] = saved
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return out.getvalue()
