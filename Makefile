@@ -3,7 +3,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PYTHON ?= python3
 
-.PHONY: test lint typecheck docs unit demo bench dist compat fuzz mutate clean
+.PHONY: test lint typecheck docs unit demo bench dist compat fuzz mutate mutate-apis clean
 
 $(BIN)/.installed: pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,12 @@ mutate: $(BIN)/.installed
 	rm -rf mutants
 	TORCHCONTRACT_HYPOTHESIS_PROFILE=mutate $(BIN)/mutmut run --max-children 2 || true
 	$(BIN)/python tools/mutation_summary.py
+
+# Behavioural mutants of apis/ and testing (tools/api_mutants.py holds the list), each
+# applied alone to a temporary copy of the source, with the tests that should catch it;
+# not in `make test` or CI. Writes tests/mutation/apis.md.
+mutate-apis: $(BIN)/.installed
+	$(BIN)/python tools/api_mutants.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis mutants site
