@@ -478,33 +478,47 @@ def fully_shard(
     and of its class, whose ``FSDPModule`` methods act on this application. Its
     forward all-gathers the parameters first; backward gathers them again if
     freed and reduce-scatters the gradients, averaged over the mesh, into the
-    sharded parameters' ``.grad``. ``reshard_after_forward`` as in FSDP2: ``None``
-    frees the parameters after forward except on the root (the first application
-    to run forward), ``True`` always, ``False`` never; an int is the world size to
-    reshard to (1 means False, the shard size True; in between, each rank keeps
-    its share of a smaller group's shards after forward and backward gathers over
-    that group, FSDP2's post-forward mesh). ``mp_policy`` as FSDP2's
-    ``MixedPrecisionPolicy``: ``param_dtype`` for the gathered parameters (and the
-    floating inputs, if ``cast_forward_inputs``), ``reduce_dtype`` for gradient
-    reduction, ``output_dtype`` for the floating outputs. ``shard_placement_fn``
-    may return ``None`` or ``Shard(0)`` for each parameter. ``offload_policy``:
-    ``CPUOffloadPolicy`` on a CPU mesh changes nothing (the shards are on CPU).
+    sharded parameters' ``.grad``. If anything is refused, nothing is changed, the
+    modules' classes included. The cost is linear in the modules and parameters
+    of ``module``, whatever else is sharded and whatever the world size.
 
-    ``mesh`` defaults to a 1-D mesh over the default process group on the
-    accelerator if there is one, else on CPU. A 2-D mesh ``(replicate, shard)`` is
-    HSDP, as in FSDP2: parameters are sharded over the inner dim (placements
-    ``(Replicate(), Shard(0))``) and gradients averaged over both. Raises ``TypeError`` naming the
-    argument for one of a wrong type; ``ValueError`` for an int
-    ``reshard_after_forward`` that does not divide the mesh's size or a dtype that
-    is not floating point; ``NotImplementedError`` for a placement on another dim
-    than 0, ``dp_mesh_dims``, or ``CPUOffloadPolicy`` on an accelerator mesh;
-    ``InvalidMeshError`` (a ``ValueError``) for a mesh that is neither 1-D nor 2-D;
-    ``AlreadyManagedError`` for a parameter another application manages or that is
-    already a DTensor;
-    ``ContractError`` without a process group or for a 0-d parameter. Nothing is
-    changed then, the modules' classes included. The cost is linear in the
-    modules and parameters of ``module``, whatever else is sharded and whatever
-    the world size.
+    Args:
+        module: The module to shard, or a list of modules sharded as one group.
+        mesh: The devices to shard over. Default: a 1-D mesh over the default
+            process group on the accelerator if there is one, else on CPU. A 2-D
+            mesh ``(replicate, shard)`` is HSDP, as in FSDP2: parameters are sharded
+            over the inner dim (placements ``(Replicate(), Shard(0))``) and
+            gradients averaged over both.
+        reshard_after_forward: As in FSDP2: ``None`` frees the parameters after
+            forward except on the root (the first application to run forward),
+            ``True`` always, ``False`` never; an int is the world size to reshard
+            to (1 means False, the shard size True; in between, each rank keeps its
+            share of a smaller group's shards after forward and backward gathers
+            over that group, FSDP2's post-forward mesh).
+        shard_placement_fn: Called with each parameter; may return ``None`` or
+            ``Shard(0)``.
+        mp_policy: FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` for the
+            gathered parameters (and the floating inputs, if
+            ``cast_forward_inputs``), ``reduce_dtype`` for gradient reduction,
+            ``output_dtype`` for the floating outputs.
+        offload_policy: ``CPUOffloadPolicy`` on a CPU mesh changes nothing (the
+            shards are on CPU already).
+        ignored_params: Parameters left as they are, neither sharded nor managed.
+        dp_mesh_dims: Accepted as ``None`` only.
+
+    Returns:
+        ``module`` itself (the contract returns what it was given), typed as given.
+
+    Raises:
+        TypeError: An argument is of the wrong type (the message names it).
+        ValueError: An int ``reshard_after_forward`` does not divide the mesh's
+            size, or a dtype is not floating point.
+        NotImplementedError: A placement on another dim than 0, ``dp_mesh_dims``,
+            or ``CPUOffloadPolicy`` on an accelerator mesh.
+        InvalidMeshError: The mesh is neither 1-D nor 2-D (a ``ValueError``).
+        AlreadyManagedError: A parameter another application manages, or one that
+            is already a DTensor.
+        ContractError: No process group, or a 0-d parameter.
     """
     # A list's modules nested in one another: the outer ones hold the group, as the
     # contract's targets (hooks on an inner one would reshard in the outer's forward).
@@ -619,8 +633,13 @@ def unshard(module: nn.Module) -> None:
     """All-gather the parameters ``fully_shard`` manages on ``module`` and register them.
 
     They stay unsharded until ``reshard(module)`` (or the end of the next
-    backward). Every rank must call it. Raises ``NotAppliedError`` if
-    ``fully_shard`` is not applied to ``module``.
+    backward). A collective: every rank of the mesh must call it.
+
+    Args:
+        module: A module ``fully_shard`` was applied to.
+
+    Raises:
+        NotAppliedError: ``fully_shard`` is not applied to ``module``.
     """
     group = _group_of(module)
     group.drop_prefetch()  # gathered before any optimizer step since: gather afresh
@@ -628,7 +647,14 @@ def unshard(module: nn.Module) -> None:
 
 
 def reshard(module: nn.Module) -> None:
-    """Free the unsharded parameters of ``module``'s application and register the shards again."""
+    """Free the unsharded parameters of ``module``'s application and register the shards again.
+
+    Args:
+        module: A module ``fully_shard`` was applied to.
+
+    Raises:
+        NotAppliedError: ``fully_shard`` is not applied to ``module``.
+    """
     _group_of(module).reshard()
 
 
