@@ -16,58 +16,34 @@ from collections.abc import Iterator
 import pytest
 import torch
 from pytest_benchmark.fixture import BenchmarkFixture
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.nn import functional
 
-from torchcontract.apis import fully_shard
 from torchcontract.apis.fully_shard import set_implicit_prefetch
 from torchcontract.demo import GPT, GPTConfig, local_parameter_bytes, synthetic_batch
 
 from .harness import label
 from .ranks import WORLD_SIZE, ServingRanks, connect, serve_steps, serving, time_steps
+from .sharded_gpt import TORCH, sharded_gpt, train_step
 
 BATCH = 2
 CONFIG = GPTConfig(vocabulary=64, context=32, width=256, heads=8, layers=4, dropout=0.0)
-PREFETCH, NO_PREFETCH, TORCH = "torchcontract", "torchcontract, no prefetch", "torch"
+PREFETCH, NO_PREFETCH = "torchcontract", "torchcontract, no prefetch"
 NAMES = (PREFETCH, NO_PREFETCH, TORCH)
-
-
-def _step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, tokens: Tensor, targets: Tensor
-) -> None:
-    logits: Tensor = model(tokens)
-    loss = functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    torch.autograd.backward(loss)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
 
 
 def _serve(rank: int, world_size: int, port: int) -> int:
     """A rank: shard the three models, then run the steps the driver asks for."""
     store = connect(port)
     mesh = init_device_mesh("cpu", (world_size,))
-    models: dict[str, nn.Module] = {}
-    for name in NAMES:
-        torch.manual_seed(0)
-        model = GPT(CONFIG)
-        if name == TORCH:
-            for block in model.blocks:
-                torch_fully_shard(block, mesh=mesh)
-            torch_fully_shard(model, mesh=mesh)
-        else:
-            for block in model.blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-        models[name] = model
+    models: dict[str, nn.Module] = {name: sharded_gpt(CONFIG, name, mesh) for name in NAMES}
     set_implicit_prefetch(models[NO_PREFETCH], False)
     for name, sharded in models.items():
         store.set(f"bytes/{name}/{rank}", repr(local_parameter_bytes(sharded)))
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
     tokens, targets = synthetic_batch(CONFIG, BATCH, rank, 0)
     return serve_steps(
-        store, rank, lambda name: _step(models[name], optimizers[name], tokens, targets)
+        store, rank, lambda name: train_step(models[name], optimizers[name], tokens, targets)
     )
 
 
