@@ -24,6 +24,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     UnshardHandle,
 )
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -112,10 +113,10 @@ def test_one_class_is_made_per_original_class(mesh: DeviceMesh) -> None:
 
 
 def test_every_public_fsdp_module_method_is_ours(mesh: DeviceMesh) -> None:
+    """Whatever the installed torch's ``FSDPModule`` has, ours defines (none is inherited)."""
     methods = _public_methods()
-    assert len(methods) == 23
-    ours = {name for name in methods if name in vars(FullyShardModule)}
-    assert methods - ours == set()
+    assert {"reshard", "unshard", "set_requires_gradient_sync", "set_is_last_backward"} <= methods
+    assert {name for name in methods if name not in vars(FullyShardModule)} == set()
 
 
 def test_prefetch_methods_set_the_lists_of_the_prefetch_functions(mesh: DeviceMesh) -> None:
@@ -209,9 +210,49 @@ def test_a_deep_copy_and_a_pickle_are_of_the_original_class(mesh: DeviceMesh) ->
     assert type(model) is not Net  # the original keeps its class
 
 
-def test_indexing_a_sharded_container_builds_the_original_class(mesh: DeviceMesh) -> None:
-    model = fully_shard(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), mesh=mesh)
-    assert type(model[0:1]) is nn.Sequential
+def _sharded_sequential(api: str, mesh: DeviceMesh) -> nn.Sequential:
+    """A two-layer ``nn.Sequential`` sharded by ours or by FSDP2."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    if api == "ours":
+        return fully_shard(model, mesh=mesh)
+    torch_fully_shard(model, mesh=mesh)
+    return model
+
+
+@pytest.mark.parametrize("api", ["ours", "FSDP2"])
+def test_slicing_a_sharded_sequential_builds_a_sequential(mesh: DeviceMesh, api: str) -> None:
+    """``FSDPModule.__new__`` builds the original class; torch 2.6's finds it at a fixed index."""
+    model = _sharded_sequential(api, mesh)
+    part = model[0:1]
+    assert type(part) is nn.Sequential
+    assert list(part) == [model[0]]
+
+
+@pytest.mark.parametrize("api", ["ours", "FSDP2"])
+def test_copy_constructing_a_sharded_sequential_builds_a_sequential(
+    mesh: DeviceMesh, api: str
+) -> None:
+    model = _sharded_sequential(api, mesh)
+    copied = type(model)(*model)
+    assert type(copied) is nn.Sequential
+    assert list(copied) == list(model)
+
+
+class Stack(nn.ModuleList):
+    """A list of layers with a forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self:
+            x = layer(x)
+        return x
+
+
+def test_slicing_and_copying_a_sharded_module_list_build_its_class(mesh: DeviceMesh) -> None:
+    """FSDP2 refuses a ``ModuleList`` (2.6: every one; later: one without a forward)."""
+    stack = fully_shard(Stack([nn.Linear(2, 2), nn.ReLU()]), mesh=mesh)
+    part, copied = stack[0:1], type(stack)(list(stack))
+    assert (type(part), type(copied)) == (Stack, Stack)
+    assert (list(part), list(copied)) == ([stack[0]], list(stack))
 
 
 @contract()

@@ -14,6 +14,7 @@ from typing import Any, Final, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard import _fully_shard
 from torch.utils import checkpoint as torch_checkpoint
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "TORCH_VERSION",
     "all_gather_single",
     "checkpoint_generator",
+    "fsdp_module_new_runs_init",
     "reduce_scatter_single",
 ]
 
@@ -76,3 +78,13 @@ def _first_of(*names: str) -> Callable[..., dist.Work | None]:
 all_gather_single: Final = _first_of("all_gather_single", "all_gather_into_tensor")
 #: ``(output, input, op=..., group=...)``: ``input`` reduced, this rank's slice in ``output``.
 reduce_scatter_single: Final = _first_of("reduce_scatter_single", "reduce_scatter_tensor")
+
+
+def fsdp_module_new_runs_init() -> bool:
+    """Whether ``FSDPModule.__new__`` runs ``__init__`` on the module it builds.
+
+    It always does on releases without ``disable_fsdp_module_new_init``; on those with
+    it, not inside that context. Read at each call, as torch's own ``__new__`` does.
+    """
+    enabled: object = getattr(_fully_shard, "_enable_fsdp_module_new_init", True)
+    return enabled is not False

@@ -30,6 +30,7 @@ from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
 from torchcontract import ContractError, NotAppliedError, module_label
 
+from .. import _compat
 from ._group import ParamGroup
 from ._hooks import ForwardHooks
 from ._managed import MANAGED
@@ -51,8 +52,23 @@ class FullyShardModule(FSDPModule):
     """
 
     # FSDPModule.__new__ builds the original class (a container indexed by a slice):
-    # in [FSDP<Name>, FullyShardModule, FSDPModule, <Name>] the original is at 3.
+    # in [FSDP<Name>, FullyShardModule, FSDPModule, <Name>] the original is at 3. Releases
+    # before 2.7 read index 2 whatever the class says, so __new__ below is ours.
     _orig_cls_mro_index: int = 3
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """Build the original class, not ``FSDP<Name>``, as FSDP2's ``FSDPModule.__new__``.
+
+        A container indexed by a slice (``model[0:1]``) or copied with
+        ``type(model)(...)`` is a new, unsharded module of the user's class. It runs
+        ``__init__`` itself (Python does not: the object is not an instance of ``cls``)
+        unless torch has turned that off (``disable_fsdp_module_new_init``).
+        """
+        original = original_class(cast("type[nn.Module]", cls))
+        module = original.__new__(original, *args, **kwargs)
+        if _compat.fsdp_module_new_runs_init():
+            original.__init__(module, *args, **kwargs)
+        return module
 
     # ----------------------------------------------------------------- gathering
 
