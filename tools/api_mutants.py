@@ -158,8 +158,8 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
     Mutant(
         "replicate_rebuilt_buckets_reversed",
         "apis/replicate/_reducer.py",
-        "assign_buckets(parameters, _torch.to_ints(shared),",
-        "assign_buckets(parameters, _torch.to_ints(shared)[::-1],",
+        "launch_buckets(parameters, _torch.to_ints(shared),",
+        "launch_buckets(parameters, _torch.to_ints(shared)[::-1],",
         (COLLECTIVES,),
         "the rebuilt buckets launch in reverse order",
     ),
@@ -172,12 +172,12 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         "broadcast_buffers=False ignored",
     ),
     Mutant(
-        "replicate_first_bucket_uncapped",
+        "replicate_last_bucket_uncapped",
         "apis/replicate/_reducer.py",
-        "self._first_cap = min(FIRST_BUCKET_BYTES, cap_bytes)",
-        "self._first_cap = self._bucket_bytes",
+        "self._last_cap = min(last_cap_bytes, self._bucket_bytes)",
+        "self._last_cap = self._bucket_bytes",
         (COLLECTIVES,),
-        "the first bucket is not capped at 1 MiB",
+        "the bucket launched last is not capped at 1 MiB under the default cap",
     ),
     Mutant(
         "replicate_no_reset_after_failed_backward",

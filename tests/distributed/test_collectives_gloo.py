@@ -13,7 +13,6 @@ asserts one behaviour on what it measured.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable, Iterator
 from typing import Any, Final
 
@@ -123,25 +122,14 @@ def _numel(model: nn.Module, names: tuple[str, ...]) -> int:
     return sum(model.get_parameter(name).numel() for name in names)
 
 
-def _ddp_caps() -> dict[str, Any]:
-    """DDP's keywords for a 1 MiB first bucket, then 2 MiB ones: replicate's ``bucket_cap_mb=2``.
-
-    Since torch 2.13, DDP caps the first bucket at 1 MiB only with the default
-    ``bucket_cap_mb``; ``bucket_cap_mb_list`` gives the caps bucket by bucket.
-    """
-    if "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel).parameters:
-        return {"bucket_cap_mb_list": [1, 2]}
-    return {"bucket_cap_mb": 2}
-
-
-def _buckets(rank: int) -> Results:
-    """Two steps of ours and DDP's with ``bucket_cap_mb=2``: buckets and all-reduces per step.
+def _buckets(rank: int, bucket_cap_mb: float | None) -> Results:
+    """Three steps of ours and DDP's with the same ``bucket_cap_mb``: buckets and all-reduces.
 
     Ours sends each bucket's gradients and one used-flag per parameter.
     """
     mine, raw = _deep(), _deep()
-    replicate(mine, bucket_cap_mb=2)
-    ddp = DistributedDataParallel(raw, find_unused_parameters=True, **_ddp_caps())
+    replicate(mine, bucket_cap_mb=bucket_cap_mb)
+    ddp = DistributedDataParallel(raw, find_unused_parameters=True, bucket_cap_mb=bucket_cap_mb)
     theirs = DDPRecorder(ddp)
     recorder = Recorder()
     steps: list[tuple[Any, ...]] = []
@@ -241,7 +229,8 @@ def _local_backwards(rank: int) -> dict[str, tuple[int, int, int]]:
 
 def _job(rank: int, world_size: int) -> Results:
     return {
-        "buckets": _buckets(rank),
+        "buckets": _buckets(rank, 2),
+        "default_buckets": _buckets(rank, None),
         "broadcasts": _buffer_broadcasts(rank, broadcast_buffers=True),
         "no_broadcasts": _buffer_broadcasts(rank, broadcast_buffers=False),
         "local": _local_backwards(rank),
@@ -256,10 +245,25 @@ def ranks() -> list[Results]:
 # ----------------------------------------------------------------- buckets
 
 
-def test_buckets_are_one_then_two_mib_capped_as_ddps(ranks: list[Results]) -> None:
+def test_a_given_cap_holds_for_every_bucket_the_first_included_as_ddps(
+    ranks: list[Results],
+) -> None:
     for rank in ranks:
         for _, _, _, mebibytes in rank["buckets"]["steps"]:
+            assert mebibytes == [2, 2, 2, 2]
+
+
+def test_under_the_default_cap_the_bucket_launched_last_holds_one_mib_as_ddps(
+    ranks: list[Results],
+) -> None:
+    """The parameters defined first; the others hold a quarter of the gradients here (2 MiB),
+    where DDP's hold up to 25 MiB."""
+    for rank in ranks:
+        for _, buckets, ddp_buckets, mebibytes in rank["default_buckets"]["steps"]:
             assert mebibytes == [1, 2, 2, 2, 1]
+            names, size = buckets[-1]
+            assert [(tuple(sorted(names)), size - len(names))] == ddp_buckets[-1:]
+            assert ddp_buckets[-1] == (("0.weight",), MIB // 4)
 
 
 def test_each_backward_all_reduces_the_buckets_in_launch_order(ranks: list[Results]) -> None:

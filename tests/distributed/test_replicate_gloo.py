@@ -390,7 +390,8 @@ def test_bucket_cap_of_another_type_is_a_type_error_naming_it(value: object, sho
     with pytest.raises(TypeError) as raised:
         replicate(model, bucket_cap_mb=value)  # type: ignore[arg-type]
     assert str(raised.value) == (
-        f"replicate on Net: bucket_cap_mb takes a number of megabytes (int or float), got {shown}"
+        "replicate on Net: bucket_cap_mb takes a number of megabytes (int or float) or None, "
+        f"got {shown}"
     )
     assert not replicate.is_applied(model)
 

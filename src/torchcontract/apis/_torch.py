@@ -14,6 +14,7 @@ from typing import Any, Final, ParamSpec, TypeVar, cast
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._C._distributed_c10d import _compute_bucket_assignment_by_size
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils.hooks import RemovableHandle
 
@@ -29,6 +30,7 @@ __all__ = [
     "all_reduce_blocking",
     "barrier",
     "broadcast",
+    "bucket_assignment",
     "checkpoint_generator",
     "checkpoint_is_valid",
     "copy_each",
@@ -267,6 +269,23 @@ def register_load_state_dict_post_hook(
     """Call ``hook(module, incompatible_keys)`` after ``load_state_dict`` wrote ``module``."""
     register = cast(_RegisterHook, module.register_load_state_dict_post_hook)
     return register(hook)
+
+
+_bucket_assignment: Final = cast(
+    Callable[[list[Tensor], list[int]], tuple[list[list[int]], list[int]]],
+    _compute_bucket_assignment_by_size,
+)
+
+
+def bucket_assignment(tensors: list[Tensor], limits: list[int]) -> list[list[int]]:
+    """DDP's buckets for ``tensors`` in this order (C++, ``reducer.cpp``), as index lists.
+
+    Per device and dtype, a bucket closes once it holds ``limits[k]`` bytes or more
+    (the k-th bucket of that kind, the last limit repeating); the buckets are
+    sorted by the first index each holds.
+    """
+    buckets, _ = _bucket_assignment(tensors, limits)
+    return buckets
 
 
 _all_gather_object_over: Final = cast(Callable[..., None], dist.all_gather_object)

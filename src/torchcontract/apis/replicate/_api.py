@@ -24,7 +24,7 @@ from torchcontract import (
 
 from .. import _torch
 from ..checkpoint import checkpoint, describe_value, require_bool, require_one_module
-from ._buckets import broadcast_from_first_rank
+from ._buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, broadcast_from_first_rank
 from ._reducer import ParameterHook, Reducer
 from ._same_model import check_same_model
 from ._state import ReplicateState
@@ -100,11 +100,19 @@ def _group(module: nn.Module, process_group: object) -> dist.ProcessGroup:
     return process_group
 
 
-def _bucket_cap_bytes(module: nn.Module, bucket_cap_mb: object) -> int:
+def _bucket_caps(module: nn.Module, bucket_cap_mb: object) -> tuple[int, int]:
+    """The cap of the bucket launched last and the others', in bytes, by DDP's rule.
+
+    As ``DistributedDataParallel``: with the default (None, 25 MiB) the bucket
+    launched last holds at most 1 MiB; a cap given explicitly holds for every
+    bucket.
+    """
+    if bucket_cap_mb is None:
+        return FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * _MEGABYTE
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, numbers.Real):
         raise TypeError(
             f"replicate on {module_label(module)}: bucket_cap_mb takes a number of megabytes "
-            f"(int or float), got {describe_value(bucket_cap_mb)}"
+            f"(int or float) or None, got {describe_value(bucket_cap_mb)}"
         )
     megabytes = float(bucket_cap_mb)
     if not (megabytes > 0 and math.isfinite(megabytes)):
@@ -112,7 +120,8 @@ def _bucket_cap_bytes(module: nn.Module, bucket_cap_mb: object) -> int:
             f"replicate on {module_label(module)}: bucket_cap_mb must be positive and finite, "
             f"got {bucket_cap_mb}; DistributedDataParallel's default is 25"
         )
-    return max(1, int(megabytes * _MEGABYTE))
+    cap = max(1, int(megabytes * _MEGABYTE))
+    return cap, cap
 
 
 def _require_trainable(module: nn.Module, named: list[tuple[str, nn.Parameter]]) -> None:
@@ -137,7 +146,7 @@ def replicate(
     module: nn.Module,
     *,
     process_group: dist.ProcessGroup | None = None,
-    bucket_cap_mb: float = 25.0,
+    bucket_cap_mb: float | None = None,
     broadcast_buffers: bool = True,
 ) -> None:
     """Average ``module``'s gradients over ``process_group`` (default: the world) in backward.
@@ -165,7 +174,8 @@ def replicate(
         process_group: The group gradients are averaged over; the default group if
             None.
         bucket_cap_mb: At most this many MiB of gradients are reduced in one
-            collective (the first bucket holds at most 1 MiB).
+            collective; None (the default) is 25 MiB, with the bucket launched last
+            (the parameters defined first) at most 1 MiB, as DDP's.
         broadcast_buffers: Copy rank 0's buffers to every rank before each forward
             that follows a synchronizing one, as DDP does.
 
@@ -183,7 +193,7 @@ def replicate(
         IncompatibleAPIError: A rule forbids the combination (see above).
     """
     require_one_module("replicate", module)
-    cap_bytes = _bucket_cap_bytes(module, bucket_cap_mb)
+    last_cap_bytes, cap_bytes = _bucket_caps(module, bucket_cap_mb)
     require_bool("replicate", module, "broadcast_buffers", broadcast_buffers)
     group = _group(module, process_group)
     if group.size() > 1:
@@ -197,6 +207,7 @@ def replicate(
         replicate.application(module),
         group=group,
         named=named,
+        last_cap_bytes=last_cap_bytes,
         cap_bytes=cap_bytes,
         on_synchronized=_count_synchronization,
     )

@@ -44,7 +44,7 @@ from torchcontract import (
 )
 
 from .. import _torch
-from ._buckets import FIRST_BUCKET_BYTES, assign_buckets, broadcast_from_first_rank
+from ._buckets import FIRST_BUCKET_BYTES, broadcast_from_first_rank, launch_buckets
 from ._outputs import find_tensors
 from ._state import ReplicateState
 
@@ -70,6 +70,7 @@ class Reducer:
         *,
         group: dist.ProcessGroup,
         named: Sequence[tuple[str, nn.Parameter]],
+        last_cap_bytes: int,
         cap_bytes: int,
         on_synchronized: OnSynchronized,
     ) -> None:
@@ -84,8 +85,9 @@ class Reducer:
         # At most the cap, and at most a quarter of the gradient bytes (but 1 MiB at
         # least), so that reductions overlap the backward on models of a few caps too.
         self._bucket_bytes = min(cap_bytes, max(FIRST_BUCKET_BYTES, total // _MIN_BUCKETS))
-        # As DDP: a smaller first bucket, so that the first collective starts early.
-        self._first_cap = min(FIRST_BUCKET_BYTES, cap_bytes)
+        # The bucket launched last is no larger than the others (DDP's is at most 1 MiB
+        # under the default cap, and the cap given otherwise).
+        self._last_cap = min(last_cap_bytes, self._bucket_bytes)
         self._on_synchronized = on_synchronized
         count = len(named)
         self._used = [False] * count  # accumulated into since the last synchronization
@@ -100,7 +102,7 @@ class Reducer:
         self._checked_torch_apis = False
         self._launched: list[tuple[int, dist.Work]] = []  # in order, not yet waited for
         self._set_buckets(
-            assign_buckets(parameters, reversed(range(count)), self._first_cap, self._bucket_bytes)
+            launch_buckets(parameters, range(count - 1, -1, -1), self._last_cap, self._bucket_bytes)
         )
 
     @property
@@ -333,7 +335,7 @@ class Reducer:
             _torch.broadcast(shared, dist.get_global_rank(self._group, 0), self._group)
         parameters = [self._parameter(index) for index in range(len(self._names))]
         self._set_buckets(
-            assign_buckets(parameters, _torch.to_ints(shared), self._first_cap, self._bucket_bytes)
+            launch_buckets(parameters, _torch.to_ints(shared), self._last_cap, self._bucket_bytes)
         )
 
 
