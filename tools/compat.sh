@@ -6,6 +6,11 @@
 # torch, and this checkout installed editable. Prints one line per release and exits
 # non-zero if any release failed. Not part of `make test`: most releases are
 # several-GB downloads.
+#
+# Each release's result is written to tools/compat-results/torch-<version>.md (a table row)
+# and torch-<version>-skips.md (why tests were skipped, with counts), by
+# tools/compat_results.py: docs/supported-versions.md includes both, so its figures are the
+# ones this script measured.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 versions=${COMPAT_TORCH:-"2.6.0 2.13.0 2.14.1"}
@@ -37,6 +42,7 @@ for version in $versions; do
     | sed -e 's/^ *//' -e 's/ *$//')
   summary+=("torch $version ($(date -u +%Y-%m-%d)): ${result:-no result, exit $code}")
   [ "$code" -eq 0 ] || status=1
+  "$python" tools/compat_results.py "$version" "$log" "$code" "tools/compat-results"
 done
 printf '\n'
 printf '%s\n' "${summary[@]}"
