@@ -128,6 +128,8 @@ def reduce_scatter(
     replicate_group: dist.ProcessGroup | None = None,
     *,
     hook: Callable[[Tensor], None] | None = None,
+    all_reduce: bool = True,
+    deferred: dict[int, Tensor] | None = None,
 ) -> None:
     """Average ``grads`` (unsharded, one per parameter) over ``group`` into the sharded ``.grad``.
 
@@ -137,6 +139,12 @@ def reduce_scatter(
     (HSDP) the reduce-scattered shards are then averaged over the replicas, as FSDP2's
     ``foreach_reduce`` all-reduces them over the mesh's outer dim. ``hook`` (FSDP2's
     all-reduce hook) gets the reduced flat shards then, before they are stored.
+
+    Under HSDP with ``all_reduce`` False (``set_requires_all_reduce(False)``), as
+    FSDP2's: the reduce-scattered shards are added to ``deferred`` (by parameter id,
+    in the reduction dtype) and nothing else happens, no all-reduce, no hook, no
+    ``.grad``; the next reduction with ``all_reduce`` adds them to its own before
+    its one all-reduce over the replicas, and empties ``deferred``.
     """
     dtypes = [reduce_dtype or grad.dtype for grad in grads]
     for same_dtype in _by_dtype(parameters, dtypes):
@@ -147,6 +155,8 @@ def reduce_scatter(
             dtypes[same_dtype[0]],
             replicate_group=replicate_group,
             hook=hook,
+            all_reduce=all_reduce,
+            deferred={} if deferred is None else deferred,
         )
 
 
@@ -158,6 +168,8 @@ def _reduce_scatter_one_dtype(
     *,
     replicate_group: dist.ProcessGroup | None,
     hook: Callable[[Tensor], None] | None,
+    all_reduce: bool,
+    deferred: dict[int, Tensor],
 ) -> None:
     world = group.size()
     columns = torch.cat(
@@ -172,9 +184,14 @@ def _reduce_scatter_one_dtype(
         _torch.reduce_scatter_average(reduced, columns.reshape(-1), group)
     else:
         reduced.copy_(columns.reshape(-1))
-    if replicate_group is not None and replicate_group.size() > 1:
-        _torch.all_reduce(reduced, replicate_group).wait()
-        reduced.div_(replicate_group.size())
+    if replicate_group is not None:
+        if not all_reduce:
+            _defer(parameters, reduced, deferred)
+            return
+        _take_deferred(parameters, reduced, deferred)
+        if replicate_group.size() > 1:
+            _torch.all_reduce(reduced, replicate_group).wait()
+            reduced.div_(replicate_group.size())
     if hook is not None:
         hook(reduced)
     offset = 0
@@ -182,3 +199,35 @@ def _reduce_scatter_one_dtype(
         width = parameter.padded_shard_numel
         parameter.accumulate_shard_grad(reduced[offset : offset + width])
         offset += width
+
+
+def _slices(parameters: Sequence[ManagedParameter], reduced: Tensor) -> list[Tensor]:
+    """Each parameter's padded shard in the flat reduced buffer, in order."""
+    slices: list[Tensor] = []
+    offset = 0
+    for parameter in parameters:
+        slices.append(reduced[offset : offset + parameter.padded_shard_numel])
+        offset += parameter.padded_shard_numel
+    return slices
+
+
+def _defer(
+    parameters: Sequence[ManagedParameter], reduced: Tensor, deferred: dict[int, Tensor]
+) -> None:
+    """Add the reduce-scattered shards to those kept for the next all-reduce (FSDP2's partial)."""
+    for parameter, shard in zip(parameters, _slices(parameters, reduced), strict=True):
+        kept = deferred.get(id(parameter))
+        if kept is None:
+            deferred[id(parameter)] = shard
+        else:
+            kept += shard
+
+
+def _take_deferred(
+    parameters: Sequence[ManagedParameter], reduced: Tensor, deferred: dict[int, Tensor]
+) -> None:
+    """Add the kept shards to this reduction's, before its all-reduce; forget them."""
+    for parameter, shard in zip(parameters, _slices(parameters, reduced), strict=True):
+        kept = deferred.pop(id(parameter), None)
+        if kept is not None:
+            shard.add_(kept)  # in place: a view of the flat buffer the all-reduce sends

@@ -157,6 +157,8 @@ class ParamGroup:
         self.forward_prefetch: tuple[weakref.ref[ParamGroup], ...] = ()
         self.backward_prefetch: tuple[weakref.ref[ParamGroup], ...] = ()
         self.post_forward_indices: list[int] = []
+        # HSDP with requires_all_reduce off: reduce-scattered shards awaiting the all-reduce.
+        self.deferred: dict[int, Tensor] = {}
 
     def modules(self) -> list[nn.Module]:
         """The group's modules that are still alive."""
@@ -350,6 +352,8 @@ class ParamGroup:
                 self.reduce_dtype,
                 self.replicate_group,
                 hook=record.all_reduce_hook,
+                all_reduce=record.requires_all_reduce,
+                deferred=self.deferred,
             )
             self.reduced = True
 

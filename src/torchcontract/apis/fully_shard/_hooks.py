@@ -33,7 +33,7 @@ from .. import _torch
 from ._group import ALL_GROUPS, ParamGroup, Phase, Root
 from ._state import FullyShardState
 
-__all__ = ["ForwardHooks"]
+__all__ = ["ForwardHooks", "in_backward"]
 
 _Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -56,7 +56,7 @@ class ForwardHooks:
     def __reduce__(self) -> tuple[type[ForwardHooks], tuple[None, None]]:
         return ForwardHooks, (None, None)
 
-    def _group_for(self, module: nn.Module) -> ParamGroup | None:
+    def group_for(self, module: nn.Module) -> ParamGroup | None:
         """The group, if these hooks act for ``module``: only the modules applied to, live."""
         group = self.group
         if group is None or id(module) not in group.module_ids or group.record() is None:
@@ -72,13 +72,13 @@ class ForwardHooks:
         Both hooks run outside ``torch.compile``, as FSDP2's: parameter swaps and
         collectives are not traced, only the module's compute.
         """
-        group = self._group_for(module)
+        group = self.group_for(module)
         if group is None:
             return None
         policy = self.mp_policy
         if policy is not None and policy.cast_forward_inputs:
             args, kwargs = _cast((args, kwargs), policy.param_dtype)
-        if _in_backward():  # a checkpoint recomputing the forward: gathered by pre-backward
+        if in_backward():  # a checkpoint recomputing the forward: gathered by pre-backward
             group.unshard()
             return args, kwargs
         if group.root is None:
@@ -104,8 +104,8 @@ class ForwardHooks:
 
         Floating outputs are cast to the policy's ``output_dtype``, if set (FSDP2's).
         """
-        group = self._group_for(module)
-        if group is None or _in_backward():
+        group = self.group_for(module)
+        if group is None or in_backward():
             return None
         policy = self.mp_policy
         if policy is not None and policy.output_dtype is not None:
@@ -137,7 +137,7 @@ def _cast(tree: _Tree, dtype: torch.dtype | None) -> _Tree:
     return cast(_Tree, pytree.tree_unflatten(cast_leaves, spec))
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """Whether the autograd engine is running a backward in this thread (as FSDP2's ``is_bw``)."""
     return torch._C._current_graph_task_id() != -1
 

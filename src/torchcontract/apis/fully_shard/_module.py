@@ -30,8 +30,8 @@ from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
 from torchcontract import ContractError, NotAppliedError, module_label
 
-from ._group import ParamGroup
-from ._hooks import ForwardHooks
+from ._group import ParamGroup, Phase
+from ._hooks import ForwardHooks, in_backward
 from ._managed import MANAGED
 from ._prefetch import set_modules_to_backward_prefetch, set_modules_to_forward_prefetch
 from ._state import FullyShardState
@@ -93,6 +93,7 @@ class FullyShardModule(FSDPModule):
         root.start_iteration()
         for member in root.groups:
             member.reshard()
+            member.deferred.clear()  # FSDP2 drops a partial HSDP reduction too
 
     # ----------------------------------------------------------------- settings
 
@@ -107,15 +108,24 @@ class FullyShardModule(FSDPModule):
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
-        """Whether backward reduce-scatters gradients (False: they accumulate locally)."""
+        """Whether backward reduce-scatters gradients (False: they accumulate locally).
+
+        Sets ``requires_all_reduce`` to the same value, as FSDP2 does.
+        """
         value = requires_gradient_sync
-        _update(self, recurse, lambda record: attrs.evolve(record, sync_gradients=value))
+        _update(
+            self,
+            recurse,
+            lambda record: attrs.evolve(record, sync_gradients=value, requires_all_reduce=value),
+        )
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """Whether gradients are all-reduced over the replicate dim (HSDP).
 
-        Recorded; a 1-D mesh has no replicate dim, so no all-reduce happens either
-        way, as in FSDP2 on a 1-D mesh.
+        False, as FSDP2's: each backward reduce-scatters, and keeps the result for
+        the first backward with it True, which adds it to its own and all-reduces
+        once (gradient accumulation with one all-reduce per step); ``.grad`` is
+        left as it is until then. A 1-D mesh has no replicate dim: nothing changes.
         """
         value = requires_all_reduce
         _update(self, recurse, lambda record: attrs.evolve(record, requires_all_reduce=value))
@@ -301,7 +311,14 @@ def _new_object(cls: type[Any], *args: object) -> object:
 
 
 class _ForwardMethodState:
-    """FSDP2's ``FSDPState`` as ``register_fsdp_forward_method`` uses it: two calls, no fields."""
+    """FSDP2's ``FSDPState`` as ``register_fsdp_forward_method`` uses it: two calls, no fields.
+
+    A registered method (``generate``) that runs the module's forward inside it ends
+    with the parameters resharded, the root's too, as FSDP2's: its post-forward then
+    finds the group idle (the inner forward ended it) and frees the parameters in
+    full. Kept registered, they would be what ``parameters()`` lists, so an
+    optimizer built next would hold plain tensors and never update the shards.
+    """
 
     __slots__ = ("_hooks",)
 
@@ -315,7 +332,11 @@ class _ForwardMethodState:
         return (args, kwargs) if result is None else result
 
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: object) -> object:
+        group = self._hooks.group_for(module)
+        nested = group is not None and group.phase is Phase.IDLE  # a forward ran inside
         result = self._hooks.after(module, args, output)
+        if nested and group is not None and not in_backward():
+            group.reshard()
         return output if result is None else result
 
 
