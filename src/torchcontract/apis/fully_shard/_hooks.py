@@ -41,10 +41,9 @@ _Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 class ForwardHooks:
     """The forward pre-hook and forward hook of one application; they hold only its group.
 
-    A deep copy or pickle of the model gets hooks without a group, which do
-    nothing: the copy's parameters are its own, and a process group does not copy.
-    (``copy.deepcopy`` copies a bound method as its function bound to a copy of
-    its ``self``, so the copy must be of this class.)
+    A pickle of the model gets hooks without a group, which do nothing: its
+    parameters are its own, and a process group does not pickle. (A deep copy of a
+    sharded module is refused, ``FullyShardModule.__deepcopy__``.)
     """
 
     __slots__ = ("group", "mp_policy")

@@ -11,9 +11,13 @@ and group. A rolled-back apply puts the original class back. The class's
 ``__qualname__`` stays the original's, so that errors, which label modules by
 qualified name, keep naming the user's class.
 
-A deep copy or a pickle of such a module is of its original class: the copy's
-hooks stand aside (no process group copies), so it is not sharded by
-``fully_shard`` and must not claim to be.
+``copy.deepcopy`` of such a module is refused, as FSDP2 refuses it: a copy would
+hold the shards with no group to gather them (its forward would fail inside
+torch), and giving it one would carry the application to the copy, which copies
+never do (docs/semantics.md, Copies). A state dict moves a sharded model instead.
+A pickle is of the original class: its hooks stand aside (no process group
+pickles), so it holds the shards for their state dict and is not sharded by
+``fully_shard``, and must not claim to be.
 """
 
 from __future__ import annotations
@@ -282,8 +286,18 @@ class FullyShardModule(FSDPModule):
         # casts and moves act on the registered tensors, and the group follows casts.
         return cast(Any, super(FSDPModule, self))._apply(*args, **kwargs)
 
+    def __deepcopy__(self, memo: dict[int, object]) -> NoReturn:
+        """Refused with ``ContractError``, as FSDP2 refuses: move the state dict instead."""
+        raise ContractError(
+            f"fully_shard on {_label(self)}: a sharded module cannot be deep-copied (its "
+            "parameters are shards of tensors spread over the mesh's ranks, gathered by its "
+            "process group); copy the model before fully_shard, or save its state dict "
+            "(model.state_dict(), or get_model_state_dict for full tensors) and load it into a "
+            "new model sharded the same way"
+        )
+
     def __reduce_ex__(self, protocol: Any) -> Any:
-        """Copies and pickles are of the original class (their hooks stand aside)."""
+        """Pickles are of the original class (their hooks stand aside)."""
         reduced = super().__reduce_ex__(protocol)
         if not isinstance(reduced, tuple) or len(reduced) < 2:
             return reduced
