@@ -40,7 +40,7 @@ from ._managed import MANAGED
 from ._prefetch import set_modules_to_backward_prefetch, set_modules_to_forward_prefetch
 from ._state import FullyShardState
 
-__all__ = ["FullyShardModule", "fully_shard_class", "restore_class"]
+__all__ = ["FullyShardModule", "fully_shard_class", "restore_class", "unshard_group"]
 
 _Transition = Callable[[FullyShardState], FullyShardState]
 
@@ -71,14 +71,7 @@ class FullyShardModule(FSDPModule):
         ``UnshardHandle`` whose ``wait()`` waits for it and registers the parameters,
         as FSDP2's; the module's next forward or backward waits for it too.
         """
-        group = _group(self)
-        group.drop_prefetch()  # gathered before any optimizer step since: gather afresh
-        if not async_op:
-            group.unshard()
-            return None
-        group.check_materialized()
-        group.prefetch()
-        return _PendingUnshard(group)
+        return unshard_group(_group(self), async_op)
 
     def reset_iter_state(self) -> None:
         """After a forward or backward raised: reshard every group and forget the iteration.
@@ -307,6 +300,20 @@ class FullyShardModule(FSDPModule):
         # copyreg.__newobj__ insists on the object's own class; this builds the original.
         original = original_class(cast("type[nn.Module]", type(self)))
         return (_new_object, (original, *arguments[1:]), *reduced[2:])
+
+
+def unshard_group(group: ParamGroup, async_op: bool) -> UnshardHandle | None:
+    """Gather ``group``'s parameters now, or start to (``async_op``) and return the handle.
+
+    What both ``FullyShardModule.unshard`` and the function ``unshard`` do.
+    """
+    group.drop_prefetch()  # gathered before any optimizer step since: gather afresh
+    if not async_op:
+        group.unshard()
+        return None
+    group.check_materialized()
+    group.prefetch(requested=True)
+    return _PendingUnshard(group)
 
 
 class _PendingUnshard(UnshardHandle):
