@@ -37,7 +37,12 @@ class Recorder:
     def recording(self) -> Iterator[None]:
         saved: dict[tuple[object, str], Callable[..., Any]] = {
             (_torch, name): getattr(_torch, name)
-            for name in ("all_gather_into", "all_gather_into_async", "reduce_scatter_average")
+            for name in (
+                "all_gather_into",
+                "all_gather_into_async",
+                "reduce_scatter_average",
+                "reduce_scatter_sum",
+            )
             if hasattr(_torch, name)  # the asynchronous gather serves prefetching
         }
         for name in ("all_gather_single", "reduce_scatter_single"):

@@ -350,11 +350,6 @@ class ParamGroup:
             self.reshard()
         if pairs:
             grads = [grad for _, grad in pairs]
-            factor = record.gradient_divide_factor
-            if factor is not None:  # the sum divided by factor, not by the mesh's size
-                replicas = 1 if self.replicate_group is None else self.replicate_group.size()
-                scale = self.process_group.size() * replicas / factor  # HSDP: over both dims
-                grads = [grad * scale for grad in grads]
             reduce_scatter(
                 [parameter for parameter, _ in pairs],
                 grads,
@@ -364,6 +359,8 @@ class ParamGroup:
                 hook=record.all_reduce_hook,
                 all_reduce=record.requires_all_reduce,
                 deferred=self.deferred,
+                divide_factor=record.gradient_divide_factor,
+                force_sum=record.force_sum_reduction,
             )
             self.reduced = True
 

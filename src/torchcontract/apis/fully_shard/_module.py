@@ -175,7 +175,12 @@ class FullyShardModule(FSDPModule):
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Recorded; the reduce-scatter here always sums, then divides, whatever the value."""
+        """Whether the collectives only sum, the division coming after the all-reduce hook.
+
+        As FSDP2's: ``True`` reduce-scatters (and under HSDP all-reduces) with a sum,
+        calls the all-reduce hook on the sum, then divides by the gradient divide
+        factor (the mesh's size by default). Not recursive.
+        """
         _update(self, False, lambda record: attrs.evolve(record, force_sum_reduction=enable))
 
     def set_reduce_scatter_unused_params(
