@@ -280,8 +280,12 @@ class FullyShardModule(FSDPModule):
         return _ForwardMethodState(ForwardHooks(group, policy))
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        # nn.Module's (or the original class's), not FSDPModule's, which reads FSDP2's state:
-        # casts and moves act on the registered tensors, and the group follows casts.
+        # Resharded first, as FSDP2's: a cast or move reaches the shards, and parameters()
+        # lists them after it (an optimizer built next must hold the shards). Then
+        # nn.Module's (or the original class's), not FSDPModule's, which reads FSDP2's state.
+        group = MANAGED.group_of(cast(nn.Module, self))
+        if group is not None and group.record() is not None:
+            group.reshard()
         return cast(Any, super(FSDPModule, self))._apply(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, object]) -> NoReturn:
