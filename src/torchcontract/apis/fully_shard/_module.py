@@ -130,6 +130,9 @@ class FullyShardModule(FSDPModule):
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether forward frees the parameters after it; the root's too once set (as FSDP2).
 
+        Either replaces an int given to ``fully_shard``: ``True`` frees them to the
+        full mesh's shards, not to the int's post-forward mesh, as FSDP2's.
+
         Raises ``ValueError`` for a value that is not a bool, as FSDP2 does.
         """
         given = cast(object, reshard_after_forward)  # checked: callers are not all typed
@@ -139,7 +142,11 @@ class FullyShardModule(FSDPModule):
                 f"got {type(reshard_after_forward).__qualname__}; pass True or False"
             )
         for module in _applied(self, recurse):
-            _group(module).reshard_after_forward = reshard_after_forward
+            group = _group(module)
+            if group.post_forward:  # kept on the post-forward mesh: free it before replacing it
+                group.reshard()
+            group.reshard_after_forward = reshard_after_forward
+            group.post_forward_group = None  # a bool replaces an int's post-forward mesh
         _update(
             self,
             recurse,
