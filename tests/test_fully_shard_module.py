@@ -200,14 +200,28 @@ def test_reset_iter_state_off_the_root_is_refused(mesh: DeviceMesh) -> None:
 # ----------------------------------------------------------------- copies and rollback
 
 
-def test_a_deep_copy_and_a_pickle_are_of_the_original_class(mesh: DeviceMesh) -> None:
+def test_a_pickle_is_of_the_original_class(mesh: DeviceMesh) -> None:
     model = sharded(mesh)
-    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-        assert type(clone) is Net
-        assert type(clone.first) is nn.Linear
-        assert not fully_shard.is_applied(clone)
-        assert isinstance(clone.first.weight, DTensor)
+    clone = pickle.loads(pickle.dumps(model))
+    assert type(clone) is Net
+    assert type(clone.first) is nn.Linear
+    assert not fully_shard.is_applied(clone)
+    assert isinstance(clone.first.weight, DTensor)
     assert type(model) is not Net  # the original keeps its class
+
+
+def test_a_deep_copy_is_refused_naming_the_module_and_the_state_dict(mesh: DeviceMesh) -> None:
+    """As FSDP2 refuses it: a copy's shards would have no group to gather them."""
+    model = sharded(mesh)
+    refused = r"fully_shard on Net: a sharded module cannot be deep-copied.*save its state dict"
+    with pytest.raises(ContractError, match=refused):
+        copy.deepcopy(model)
+    parent = nn.Sequential(nn.Linear(2, 2))
+    fully_shard(parent[0], mesh=mesh)
+    with pytest.raises(ContractError, match=r"fully_shard on Linear: .*cannot be deep-copied"):
+        copy.deepcopy(parent)  # a sharded module inside: refused as well
+    assert fully_shard.is_applied(model)  # the original is untouched
+    assert type(model) is not Net
 
 
 def _sharded_sequential(api: str, mesh: DeviceMesh) -> nn.Sequential:

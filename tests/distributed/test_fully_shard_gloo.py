@@ -412,18 +412,21 @@ def _bad_input_messages(mesh: DeviceMesh, world_size: int) -> dict[str, str | bo
     return found
 
 
-def _deep_copy(rank: int, mesh: DeviceMesh) -> tuple[float, bool, float]:
-    """A deep copy holds the same shards and inert hooks; the original keeps training."""
+def _deep_copy(rank: int, mesh: DeviceMesh) -> tuple[list[str], float]:
+    """A deep copy is refused, as FSDP2 refuses it; the original keeps training as its twin.
+
+    Returns each refusal (ours, then FSDP2's) as ``"Type: message"``, and the gradient gap.
+    """
     model, twin = _shard_ours(gpt(), mesh), _shard_ours(gpt(), mesh)
-    copied = copy.deepcopy(model)
-    gap = largest_gap(full_parameters(copied), full_parameters(model))
+    refusals: list[str] = []
+    for sharded in (model, _shard_theirs(gpt(), mesh)):
+        try:
+            copy.deepcopy(sharded)
+        except (ContractError, AssertionError) as error:
+            refusals.append(f"{type(error).__name__}: {error}")
     torch.autograd.backward(loss_on(model, *batch(rank, 0)))
     torch.autograd.backward(loss_on(twin, *batch(rank, 0)))
-    return (
-        gap,
-        fully_shard.is_applied(copied),
-        largest_gap(full_gradients(model), full_gradients(twin)),
-    )
+    return refusals, largest_gap(full_gradients(model), full_gradients(twin))
 
 
 def _state_dict_after_forward(rank: int, mesh: DeviceMesh) -> tuple[bool, bool, float, float]:
@@ -765,10 +768,14 @@ def test_bad_input_is_refused_naming_the_module_and_changing_nothing(
         assert found["scalar_untouched"]
 
 
-def test_a_deep_copy_holds_the_shards_and_inert_hooks(ranks: list[Results]) -> None:
-    for parameter_gap, copy_applied, gradient_gap in _each(ranks, "deep_copy"):
-        assert parameter_gap == 0.0
-        assert not copy_applied
+def test_a_deep_copy_is_refused_as_torch_refuses_it(ranks: list[Results]) -> None:
+    for (ours, *theirs), gradient_gap in _each(ranks, "deep_copy"):
+        assert ours.startswith("ContractError: fully_shard on GPT: a sharded module cannot be")
+        assert "save its state dict" in ours
+        assert theirs == [
+            "AssertionError: FSDP does not support deepcopy. Please use state dict "
+            "for serialization."
+        ]
         assert gradient_gap == 0.0
 
 

@@ -143,6 +143,39 @@ def _post_forward(rank: int) -> Results:
     return results
 
 
+def _set_after_int(rank: int, value: bool) -> Results:
+    """``reshard_after_forward=2`` on a mesh of 4, then ``set_reshard_after_forward(value)``.
+
+    As FSDP2's, the bool replaces the int's post-forward mesh: ``True`` frees the
+    parameters to the full mesh's shards after forward, ``False`` keeps them.
+    """
+    mesh = init_device_mesh("cpu", (4,))
+    models = []
+    for shard in (fully_shard, torch_fully_shard):
+        torch.manual_seed(0)
+        model = GPT(blocks=2)
+        for block in model.blocks:
+            shard(block, mesh=mesh, reshard_after_forward=2)
+        shard(model, mesh=mesh)
+        for block in model.blocks:
+            assert isinstance(block, FSDPModule)
+            block.set_reshard_after_forward(value)
+        models.append(model)
+    optimizers = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in models]
+    results: Results = {}
+    for step in range(2):
+        losses = [loss_on(model, *batch(rank, step)) for model in models]
+        if step == 0:
+            results["registered"] = (_registered(models[0]), _registered(models[1]))
+        for loss in losses:
+            torch.autograd.backward(loss)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    results["parameter_gap"] = largest_gap(*(full_parameters(model) for model in models))
+    return results
+
+
 def _signs(tensor: Tensor) -> None:
     """Not linear: before the all-reduce it would average signs, not take the average's sign."""
     tensor.copy_(tensor.sign() * 0.01)
@@ -166,10 +199,12 @@ def _all_reduce_hook(rank: int, mesh: DeviceMesh) -> float:
 
 def _job(rank: int, world_size: int, directory: str) -> Results:
     post_forward = _post_forward(rank)
+    set_after_int = {value: _set_after_int(rank, value) for value in (True, False)}
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     ours, theirs = _model(mesh, False), _model(mesh, True)
     results: Results = {
         "post_forward": post_forward,
+        "set_after_int": set_after_int,
         "placements": {
             str(parameter.placements)
             for parameter in ours.parameters()
@@ -341,3 +376,18 @@ def test_reshard_after_forward_2_trains_as_torch_fully_shard(ranks: list[Results
         losses = results["post_forward"]["losses"]
         assert all(abs(mine - theirs) <= TOLERANCE for mine, theirs in losses)
         assert results["post_forward"]["parameter_gap"] <= TOLERANCE
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_set_reshard_after_forward_replaces_an_int_as_torch(
+    ranks: list[Results], value: bool
+) -> None:
+    for results in ranks:
+        found = results["set_after_int"][value]
+        mine, theirs = found["registered"]
+        assert mine == theirs
+        if value:  # the full mesh's shards, not a share of a group of 2
+            assert all(entry[1] == (4,) and entry[2] == "(Shard(dim=0),)" for entry in mine)
+        else:
+            assert all(entry[0].endswith("Parameter") for entry in mine)
+        assert found["parameter_gap"] <= TOLERANCE

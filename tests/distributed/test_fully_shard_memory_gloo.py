@@ -12,20 +12,19 @@ the slow part); each test asserts one behaviour on what it measured.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any, Final, cast
 
 import pytest
 import torch
-import torch.distributed as dist
 from fully_shard_models import GPT, batch, full_gradients, full_parameters, largest_gap, loss_on
+from fully_shard_recorder import Collective, Recorder
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
-from torchcontract.apis import _torch, fully_shard
+from torchcontract.apis import fully_shard
 from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.testing import run_distributed
 
@@ -33,8 +32,6 @@ WORLD_SIZE: Final = 3
 TOLERANCE: Final = 1e-6
 PHASES: Final = ("forward", "backward", "step")
 Results = dict[str, Any]
-#: One collective: (kind, input elements), in the order issued.
-Collective = tuple[str, int]
 
 needs_reference = pytest.mark.skipif(
     not REFERENCE_FULLY_SHARD_ON_CPU,
@@ -44,66 +41,6 @@ needs_reference = pytest.mark.skipif(
 
 
 # ----------------------------------------------------------------- observation
-
-
-class Recorder:
-    """The collectives issued, the unsharded parameters seen, while a model trains.
-
-    Ours is observed through the two functions its collectives go through
-    (``apis._torch``), FSDP2 through ``torch.distributed``'s; both replaced only
-    inside this rank, for the block.
-    """
-
-    def __init__(self) -> None:
-        self.collectives: list[Collective] = []
-        self.unsharded: dict[int, Tensor] = {}
-
-    @contextlib.contextmanager
-    def recording(self) -> Iterator[None]:
-        saved: dict[tuple[object, str], Callable[..., Any]] = {
-            (_torch, name): getattr(_torch, name)
-            for name in ("all_gather_into", "all_gather_into_async", "reduce_scatter_average")
-            if hasattr(_torch, name)  # the asynchronous gather serves prefetching
-        }
-        for name in ("all_gather_single", "reduce_scatter_single"):
-            if hasattr(dist, name):
-                saved[(dist, name)] = getattr(dist, name)
-
-        def wrap(kind: str, function: Callable[..., Any], position: int) -> Callable[..., Any]:
-            def recorded(*args: Any, **kwargs: Any) -> Any:
-                tensor = args[position] if len(args) > position else kwargs["input"]
-                self.collectives.append((kind, tensor.numel()))
-                return function(*args, **kwargs)
-
-            return recorded
-
-        kinds = {"all_gather": "all_gather", "reduce_scatter": "reduce_scatter"}
-        try:
-            for (owner, name), function in saved.items():
-                kind = next(kind for prefix, kind in kinds.items() if name.startswith(prefix))
-                setattr(owner, name, wrap(kind, function, 1))
-            yield
-        finally:
-            for (owner, name), function in saved.items():
-                setattr(owner, name, function)
-
-    def watch(self, module: nn.Module) -> None:
-        """Keep every parameter registered unsharded when ``module``'s forward starts.
-
-        The pre-hook runs after the API's own (registered first, or prepended), so
-        the parameters are gathered by then.
-        """
-
-        def seen(_: nn.Module, args: tuple[Any, ...]) -> None:
-            for parameter in module.parameters():
-                if not isinstance(parameter, DTensor):
-                    self.unsharded[id(parameter)] = parameter
-
-        module.register_forward_pre_hook(seen)
-
-    def alive_bytes(self) -> int:
-        """The bytes of storage the unsharded parameters seen so far still hold."""
-        return sum(tensor.untyped_storage().nbytes() for tensor in self.unsharded.values())
 
 
 def _registered_unsharded(model: nn.Module) -> tuple[str, ...]:

@@ -9,7 +9,6 @@ One job runs every scenario; each test asserts one behaviour on its results.
 
 from __future__ import annotations
 
-import copy
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -293,14 +292,14 @@ def _compile(rank: int, mesh: DeviceMesh) -> Results:
 
 
 def _copies(rank: int, mesh: DeviceMesh) -> Results:
-    """A deep copy and a pickle of a trained sharded model: state dicts save and load."""
+    """A pickle of a trained sharded model: its state dict saves and loads the shards.
+
+    (A deep copy is refused, as FSDP2 refuses it: ``test_fully_shard_gloo.py``.)
+    """
     model = _shard(gpt(), fully_shard, mesh)
     _train(rank, model, "sgd", range(1))
     found: Results = {}
-    for name, copied in (
-        ("deepcopy", copy.deepcopy(model)),
-        ("pickle", pickle.loads(pickle.dumps(model))),
-    ):
+    for name, copied in (("pickle", pickle.loads(pickle.dumps(model))),):
         saved = copied.state_dict()
         found[f"{name}_keys"] = list(saved) == list(model.state_dict())
         found[f"{name}_shards"] = all(isinstance(value, DTensor) for value in saved.values())
@@ -474,11 +473,11 @@ def test_compiled_model_matches_torch_fully_shard_compiled(
 # ----------------------------------------------------------------- copies
 
 
-@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
-def test_a_copy_of_a_sharded_model_saves_and_loads_its_state_dict(
+@pytest.mark.parametrize("how", ["pickle"])
+def test_a_pickle_of_a_sharded_model_saves_and_loads_its_state_dict(
     ranks: list[Results], how: str
 ) -> None:
-    """The copy's hooks hold no group and stand aside: its shards are saved and loaded."""
+    """The pickle's hooks hold no group and stand aside: its shards are saved and loaded."""
     for found in _each(ranks, "copies"):
         assert found[f"{how}_keys"]
         assert found[f"{how}_shards"]

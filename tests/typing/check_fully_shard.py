@@ -14,7 +14,12 @@ from typing import Any, assert_type
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    UnshardHandle,
+)
 from torch.distributed.tensor import Shard
 
 from torchcontract import Contract
@@ -88,6 +93,10 @@ FullyShardState(managed=["weight"])  # type: ignore[arg-type]
 
 # The helpers take one module.
 assert_type(unshard(model), None)
+assert_type(unshard(model, async_op=False), None)
+assert_type(unshard(model, async_op=True), UnshardHandle)  # as FSDPModule.unshard
+flag: bool = bool(len(model))
+assert_type(unshard(model, async_op=flag), UnshardHandle | None)
 assert_type(reshard(model), None)
 no_sync_context: AbstractContextManager[None] = no_sync(model)
-unshard([model])  # type: ignore[arg-type]
+unshard([model])  # type: ignore[call-overload]

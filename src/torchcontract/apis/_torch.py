@@ -44,6 +44,7 @@ __all__ = [
     "outside_compile",
     "queue_callback",
     "reduce_scatter_average",
+    "reduce_scatter_sum",
     "register_load_state_dict_post_hook",
     "register_load_state_dict_pre_hook",
     "register_post_accumulate_grad_hook",
@@ -234,6 +235,11 @@ def reduce_scatter_average(output: Tensor, input: Tensor, group: dist.ProcessGro
     """
     _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group)
     output.div_(group.size())
+
+
+def reduce_scatter_sum(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:
+    """Sum ``input`` over ``group`` and keep this rank's slice in ``output``; wait."""
+    _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group)
 
 
 def register_tensor_hook(

@@ -16,14 +16,19 @@ import weakref
 from collections.abc import Callable, Generator, Sequence, Set
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypeVar, cast, overload
 
 import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    UnshardHandle,
+)
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.hooks import RemovableHandle
 
@@ -48,7 +53,7 @@ from ..replicate import replicate
 from ._group import ALL_GROUPS, ParamGroup
 from ._hooks import ForwardHooks
 from ._managed import MANAGED
-from ._module import fully_shard_class, restore_class
+from ._module import fully_shard_class, restore_class, unshard_group
 from ._sharding import Location, ManagedParameter
 from ._state import FullyShardState
 from ._state_dict import register_state_dict_hooks
@@ -629,21 +634,33 @@ def _group_of(module: nn.Module) -> ParamGroup:
     raise ContractError(f"fully_shard on {module_label(module)}: its hooks are gone")
 
 
-def unshard(module: nn.Module) -> None:
+@overload
+def unshard(module: nn.Module, async_op: Literal[False] = ...) -> None: ...
+@overload
+def unshard(module: nn.Module, async_op: Literal[True]) -> UnshardHandle: ...
+@overload
+def unshard(module: nn.Module, async_op: bool) -> UnshardHandle | None: ...
+def unshard(module: nn.Module, async_op: bool = False) -> UnshardHandle | None:
     """All-gather the parameters ``fully_shard`` manages on ``module`` and register them.
 
     They stay unsharded until ``reshard(module)`` (or the end of the next
-    backward). A collective: every rank of the mesh must call it.
+    backward). A collective: every rank of the mesh must call it. The same as the
+    method ``FSDPModule.unshard`` of the module.
 
     Args:
         module: A module ``fully_shard`` was applied to.
+        async_op: Start the all-gather and return at once (on gloo's own threads);
+            the handle's ``wait()`` finishes it and registers the parameters, and so
+            does the module's next forward or backward.
+
+    Returns:
+        ``None``, or with ``async_op`` an ``UnshardHandle``, as FSDP2's.
 
     Raises:
         NotAppliedError: ``fully_shard`` is not applied to ``module``.
+        UnmaterializedParameterError: A shard is still on the meta device.
     """
-    group = _group_of(module)
-    group.drop_prefetch()  # gathered before any optimizer step since: gather afresh
-    group.unshard()
+    return unshard_group(_group_of(module), async_op)
 
 
 def reshard(module: nn.Module) -> None:

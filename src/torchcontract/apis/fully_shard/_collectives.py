@@ -128,6 +128,10 @@ def reduce_scatter(
     replicate_group: dist.ProcessGroup | None = None,
     *,
     hook: Callable[[Tensor], None] | None = None,
+    all_reduce: bool = True,
+    deferred: dict[int, Tensor] | None = None,
+    divide_factor: float | None = None,
+    force_sum: bool = False,
 ) -> None:
     """Average ``grads`` (unsharded, one per parameter) over ``group`` into the sharded ``.grad``.
 
@@ -137,6 +141,20 @@ def reduce_scatter(
     (HSDP) the reduce-scattered shards are then averaged over the replicas, as FSDP2's
     ``foreach_reduce`` all-reduces them over the mesh's outer dim. ``hook`` (FSDP2's
     all-reduce hook) gets the reduced flat shards then, before they are stored.
+
+    Under HSDP with ``all_reduce`` False (``set_requires_all_reduce(False)``), as
+    FSDP2's: the reduce-scattered shards are added to ``deferred`` (by parameter id,
+    in the reduction dtype) and nothing else happens, no all-reduce, no hook, no
+    ``.grad``; the next reduction with ``all_reduce`` adds them to its own before
+    its one all-reduce over the replicas, and empties ``deferred``.
+
+    ``divide_factor`` (``set_gradient_divide_factor``) replaces the mesh's size as
+    the divisor of the sum over both dims, with FSDP2's operations: a division on a
+    shard group of one, an average where it is the shard group's size, else each
+    rank's gradient times its inverse, summed; the all-reduce then sums. With
+    ``force_sum`` (``set_force_sum_reduction_for_comms(True)``) the collectives only
+    sum: ``hook`` sees the sum, divided by the factor (or the mesh's size) after it,
+    as FSDP2 divides after its sums.
     """
     dtypes = [reduce_dtype or grad.dtype for grad in grads]
     for same_dtype in _by_dtype(parameters, dtypes):
@@ -147,6 +165,10 @@ def reduce_scatter(
             dtypes[same_dtype[0]],
             replicate_group=replicate_group,
             hook=hook,
+            all_reduce=all_reduce,
+            deferred={} if deferred is None else deferred,
+            divide_factor=divide_factor,
+            force_sum=force_sum,
         )
 
 
@@ -158,6 +180,10 @@ def _reduce_scatter_one_dtype(
     *,
     replicate_group: dist.ProcessGroup | None,
     hook: Callable[[Tensor], None] | None,
+    all_reduce: bool,
+    deferred: dict[int, Tensor],
+    divide_factor: float | None,
+    force_sum: bool,
 ) -> None:
     world = group.size()
     columns = torch.cat(
@@ -168,17 +194,68 @@ def _reduce_scatter_one_dtype(
         dim=1,
     )
     reduced = torch.empty(columns.shape[1], dtype=dtype, device=columns.device)
-    if world > 1:
-        _torch.reduce_scatter_average(reduced, columns.reshape(-1), group)
-    else:
-        reduced.copy_(columns.reshape(-1))
-    if replicate_group is not None and replicate_group.size() > 1:
-        _torch.all_reduce(reduced, replicate_group).wait()
-        reduced.div_(replicate_group.size())
+    flat = columns.reshape(-1)
+    replicas = 1 if replicate_group is None else replicate_group.size()
+    # Whether the all-reduce averages (no factor, no forced sum) or only sums.
+    averaging = divide_factor is None and not force_sum
+    if world == 1:
+        unforced = divide_factor if not force_sum else None
+        reduced.copy_(flat if unforced is None else flat.div(unforced))
+    elif force_sum:
+        _torch.reduce_scatter_sum(reduced, flat, group)
+    elif divide_factor is None or divide_factor == world:
+        _torch.reduce_scatter_average(reduced, flat, group)
+    else:  # FSDP2's PREMUL_SUM(1 / factor)
+        _torch.reduce_scatter_sum(reduced, flat.mul(1 / divide_factor), group)
+    if replicate_group is not None:
+        if not all_reduce:
+            _defer(parameters, reduced, deferred)
+            return
+        _take_deferred(parameters, reduced, deferred)
+        if replicas > 1:
+            _torch.all_reduce(reduced, replicate_group).wait()
+            if averaging:
+                reduced.div_(replicas)
     if hook is not None:
         hook(reduced)
+    if force_sum:  # FSDP2 divides after its sums, by the factor or the mesh's size
+        after = float(world * replicas) if divide_factor is None else divide_factor
+        if after != 1:
+            reduced.div_(after)
     offset = 0
     for parameter in parameters:
         width = parameter.padded_shard_numel
         parameter.accumulate_shard_grad(reduced[offset : offset + width])
         offset += width
+
+
+def _slices(parameters: Sequence[ManagedParameter], reduced: Tensor) -> list[Tensor]:
+    """Each parameter's padded shard in the flat reduced buffer, in order."""
+    slices: list[Tensor] = []
+    offset = 0
+    for parameter in parameters:
+        slices.append(reduced[offset : offset + parameter.padded_shard_numel])
+        offset += parameter.padded_shard_numel
+    return slices
+
+
+def _defer(
+    parameters: Sequence[ManagedParameter], reduced: Tensor, deferred: dict[int, Tensor]
+) -> None:
+    """Add the reduce-scattered shards to those kept for the next all-reduce (FSDP2's partial)."""
+    for parameter, shard in zip(parameters, _slices(parameters, reduced), strict=True):
+        kept = deferred.get(id(parameter))
+        if kept is None:
+            deferred[id(parameter)] = shard
+        else:
+            kept += shard
+
+
+def _take_deferred(
+    parameters: Sequence[ManagedParameter], reduced: Tensor, deferred: dict[int, Tensor]
+) -> None:
+    """Add the kept shards to this reduction's, before its all-reduce; forget them."""
+    for parameter, shard in zip(parameters, _slices(parameters, reduced), strict=True):
+        kept = deferred.pop(id(parameter), None)
+        if kept is not None:
+            shard.add_(kept)  # in place: a view of the flat buffer the all-reduce sends

@@ -19,7 +19,9 @@ backward, the group that ran its forward just before it in this iteration
 (implicit backward prefetch, FSDP2's reverse post-forward order). Explicit lists
 (``_prefetch``) replace either. A prefetch lives within the pass that issued it:
 the end of backward and the root's next forward wait for and drop any unused,
-so a gather never serves parameters an optimizer step has since changed.
+so a gather never serves parameters an optimizer step has since changed. The
+user's ``unshard(async_op=True)`` is not a prefetch: the root's next forward
+uses it, as FSDP2's, rather than gathering the same parameters again.
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ class Root:
                 group.phase = Phase.IDLE
                 group.reduced = False
         for group in self.groups:
-            group.drop_prefetch()
+            if not group.requested:  # an unshard(async_op=True) is for this forward: keep it
+                group.drop_prefetch()
             group.post_forward_indices.clear()
             if group.post_forward:  # kept from a forward without backward: maybe stale now
                 group.reshard()
@@ -152,11 +155,16 @@ class ParamGroup:
         self.is_root = False
         self.reduced = False  # whether this backward reduce-scattered gradients
         self.pending: PendingGather | None = None  # a prefetched all-gather not yet used
+        # Whether ``pending`` is the user's ``unshard(async_op=True)`` (the root's next
+        # forward uses it, as FSDP2's) rather than a prefetch (which that forward drops).
+        self.requested = False
         self.implicit_prefetch = True
         # Explicit prefetch lists (``_prefetch``): empty means implicit, as FSDP2.
         self.forward_prefetch: tuple[weakref.ref[ParamGroup], ...] = ()
         self.backward_prefetch: tuple[weakref.ref[ParamGroup], ...] = ()
         self.post_forward_indices: list[int] = []
+        # HSDP with requires_all_reduce off: reduce-scattered shards awaiting the all-reduce.
+        self.deferred: dict[int, Tensor] = {}
 
     def modules(self) -> list[nn.Module]:
         """The group's modules that are still alive."""
@@ -198,6 +206,7 @@ class ParamGroup:
         is still on the meta device.
         """
         pending, self.pending = self.pending, None
+        self.requested = False
         if pending is not None:
             pending.finish()
             self.unsharded = True
@@ -217,21 +226,24 @@ class ParamGroup:
             )
         return start_all_gather(self.parameters, self.process_group, async_op=async_op)
 
-    def prefetch(self) -> None:
+    def prefetch(self, *, requested: bool = False) -> None:
         """Start the all-gather now, on gloo's threads; ``unshard`` waits for it.
 
         A no-op if the parameters are unsharded or already being gathered, or a
-        shard is still on the meta device (``unshard`` raises then).
+        shard is still on the meta device (``unshard`` raises then). ``requested``:
+        the user's ``unshard(async_op=True)``, which the root's next forward keeps.
         """
         if self.unsharded or self.pending is not None:
             return
         if any(parameter.is_meta for parameter in self.parameters):
             return
         self.pending = self._start_gather(async_op=True)
+        self.requested = requested
 
     def drop_prefetch(self) -> None:
         """Wait for a prefetched all-gather that was not used, and drop its result."""
         pending, self.pending = self.pending, None
+        self.requested = False
         if pending is not None:
             pending.discard()
             for parameter in self.parameters:  # a post-forward gather took what was kept
@@ -338,11 +350,6 @@ class ParamGroup:
             self.reshard()
         if pairs:
             grads = [grad for _, grad in pairs]
-            factor = record.gradient_divide_factor
-            if factor is not None:  # the sum divided by factor, not by the mesh's size
-                replicas = 1 if self.replicate_group is None else self.replicate_group.size()
-                scale = self.process_group.size() * replicas / factor  # HSDP: over both dims
-                grads = [grad * scale for grad in grads]
             reduce_scatter(
                 [parameter for parameter, _ in pairs],
                 grads,
@@ -350,6 +357,10 @@ class ParamGroup:
                 self.reduce_dtype,
                 self.replicate_group,
                 hook=record.all_reduce_hook,
+                all_reduce=record.requires_all_reduce,
+                deferred=self.deferred,
+                divide_factor=record.gradient_divide_factor,
+                force_sum=record.force_sum_reduction,
             )
             self.reduced = True
 

@@ -33,7 +33,7 @@ from .. import _torch
 from ._group import ALL_GROUPS, ParamGroup, Phase, Root
 from ._state import FullyShardState
 
-__all__ = ["ForwardHooks"]
+__all__ = ["ForwardHooks", "in_backward"]
 
 _Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -41,10 +41,9 @@ _Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 class ForwardHooks:
     """The forward pre-hook and forward hook of one application; they hold only its group.
 
-    A deep copy or pickle of the model gets hooks without a group, which do
-    nothing: the copy's parameters are its own, and a process group does not copy.
-    (``copy.deepcopy`` copies a bound method as its function bound to a copy of
-    its ``self``, so the copy must be of this class.)
+    A pickle of the model gets hooks without a group, which do nothing: its
+    parameters are its own, and a process group does not pickle. (A deep copy of a
+    sharded module is refused, ``FullyShardModule.__deepcopy__``.)
     """
 
     __slots__ = ("group", "mp_policy")
@@ -56,7 +55,7 @@ class ForwardHooks:
     def __reduce__(self) -> tuple[type[ForwardHooks], tuple[None, None]]:
         return ForwardHooks, (None, None)
 
-    def _group_for(self, module: nn.Module) -> ParamGroup | None:
+    def group_for(self, module: nn.Module) -> ParamGroup | None:
         """The group, if these hooks act for ``module``: only the modules applied to, live."""
         group = self.group
         if group is None or id(module) not in group.module_ids or group.record() is None:
@@ -72,13 +71,13 @@ class ForwardHooks:
         Both hooks run outside ``torch.compile``, as FSDP2's: parameter swaps and
         collectives are not traced, only the module's compute.
         """
-        group = self._group_for(module)
+        group = self.group_for(module)
         if group is None:
             return None
         policy = self.mp_policy
         if policy is not None and policy.cast_forward_inputs:
             args, kwargs = _cast((args, kwargs), policy.param_dtype)
-        if _in_backward():  # a checkpoint recomputing the forward: gathered by pre-backward
+        if in_backward():  # a checkpoint recomputing the forward: gathered by pre-backward
             group.unshard()
             return args, kwargs
         if group.root is None:
@@ -104,8 +103,8 @@ class ForwardHooks:
 
         Floating outputs are cast to the policy's ``output_dtype``, if set (FSDP2's).
         """
-        group = self._group_for(module)
-        if group is None or _in_backward():
+        group = self.group_for(module)
+        if group is None or in_backward():
             return None
         policy = self.mp_policy
         if policy is not None and policy.output_dtype is not None:
@@ -137,7 +136,7 @@ def _cast(tree: _Tree, dtype: torch.dtype | None) -> _Tree:
     return cast(_Tree, pytree.tree_unflatten(cast_leaves, spec))
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """Whether the autograd engine is running a backward in this thread (as FSDP2's ``is_bw``)."""
     return torch._C._current_graph_task_id() != -1
 

@@ -11,9 +11,13 @@ and group. A rolled-back apply puts the original class back. The class's
 ``__qualname__`` stays the original's, so that errors, which label modules by
 qualified name, keep naming the user's class.
 
-A deep copy or a pickle of such a module is of its original class: the copy's
-hooks stand aside (no process group copies), so it is not sharded by
-``fully_shard`` and must not claim to be.
+``copy.deepcopy`` of such a module is refused, as FSDP2 refuses it: a copy would
+hold the shards with no group to gather them (its forward would fail inside
+torch), and giving it one would carry the application to the copy, which copies
+never do (docs/semantics.md, Copies). A state dict moves a sharded model instead.
+A pickle is of the original class: its hooks stand aside (no process group
+pickles), so it holds the shards for their state dict and is not sharded by
+``fully_shard``, and must not claim to be.
 """
 
 from __future__ import annotations
@@ -31,13 +35,13 @@ from torch.distributed.fsdp import FSDPModule, UnshardHandle
 from torchcontract import ContractError, NotAppliedError, module_label
 
 from .. import _compat
-from ._group import ParamGroup
-from ._hooks import ForwardHooks
+from ._group import ParamGroup, Phase
+from ._hooks import ForwardHooks, in_backward
 from ._managed import MANAGED
 from ._prefetch import set_modules_to_backward_prefetch, set_modules_to_forward_prefetch
 from ._state import FullyShardState
 
-__all__ = ["FullyShardModule", "fully_shard_class", "restore_class"]
+__all__ = ["FullyShardModule", "fully_shard_class", "restore_class", "unshard_group"]
 
 _Transition = Callable[[FullyShardState], FullyShardState]
 
@@ -83,14 +87,7 @@ class FullyShardModule(FSDPModule):
         ``UnshardHandle`` whose ``wait()`` waits for it and registers the parameters,
         as FSDP2's; the module's next forward or backward waits for it too.
         """
-        group = _group(self)
-        group.drop_prefetch()  # gathered before any optimizer step since: gather afresh
-        if not async_op:
-            group.unshard()
-            return None
-        group.check_materialized()
-        group.prefetch()
-        return _PendingUnshard(group)
+        return unshard_group(_group(self), async_op)
 
     def reset_iter_state(self) -> None:
         """After a forward or backward raised: reshard every group and forget the iteration.
@@ -109,6 +106,7 @@ class FullyShardModule(FSDPModule):
         root.start_iteration()
         for member in root.groups:
             member.reshard()
+            member.deferred.clear()  # FSDP2 drops a partial HSDP reduction too
 
     # ----------------------------------------------------------------- settings
 
@@ -123,21 +121,33 @@ class FullyShardModule(FSDPModule):
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
-        """Whether backward reduce-scatters gradients (False: they accumulate locally)."""
+        """Whether backward reduce-scatters gradients (False: they accumulate locally).
+
+        Sets ``requires_all_reduce`` to the same value, as FSDP2 does.
+        """
         value = requires_gradient_sync
-        _update(self, recurse, lambda record: attrs.evolve(record, sync_gradients=value))
+        _update(
+            self,
+            recurse,
+            lambda record: attrs.evolve(record, sync_gradients=value, requires_all_reduce=value),
+        )
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """Whether gradients are all-reduced over the replicate dim (HSDP).
 
-        Recorded; a 1-D mesh has no replicate dim, so no all-reduce happens either
-        way, as in FSDP2 on a 1-D mesh.
+        False, as FSDP2's: each backward reduce-scatters, and keeps the result for
+        the first backward with it True, which adds it to its own and all-reduces
+        once (gradient accumulation with one all-reduce per step); ``.grad`` is
+        left as it is until then. A 1-D mesh has no replicate dim: nothing changes.
         """
         value = requires_all_reduce
         _update(self, recurse, lambda record: attrs.evolve(record, requires_all_reduce=value))
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether forward frees the parameters after it; the root's too once set (as FSDP2).
+
+        Either replaces an int given to ``fully_shard``: ``True`` frees them to the
+        full mesh's shards, not to the int's post-forward mesh, as FSDP2's.
 
         Raises ``ValueError`` for a value that is not a bool, as FSDP2 does.
         """
@@ -148,7 +158,11 @@ class FullyShardModule(FSDPModule):
                 f"got {type(reshard_after_forward).__qualname__}; pass True or False"
             )
         for module in _applied(self, recurse):
-            _group(module).reshard_after_forward = reshard_after_forward
+            group = _group(module)
+            if group.post_forward:  # kept on the post-forward mesh: free it before replacing it
+                group.reshard()
+            group.reshard_after_forward = reshard_after_forward
+            group.post_forward_group = None  # a bool replaces an int's post-forward mesh
         _update(
             self,
             recurse,
@@ -184,7 +198,12 @@ class FullyShardModule(FSDPModule):
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Recorded; the reduce-scatter here always sums, then divides, whatever the value."""
+        """Whether the collectives only sum, the division coming after the all-reduce hook.
+
+        As FSDP2's: ``True`` reduce-scatters (and under HSDP all-reduces) with a sum,
+        calls the all-reduce hook on the sum, then divides by the gradient divide
+        factor (the mesh's size by default). Not recursive.
+        """
         _update(self, False, lambda record: attrs.evolve(record, force_sum_reduction=enable))
 
     def set_reduce_scatter_unused_params(
@@ -284,12 +303,26 @@ class FullyShardModule(FSDPModule):
         return _ForwardMethodState(ForwardHooks(group, policy))
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        # nn.Module's (or the original class's), not FSDPModule's, which reads FSDP2's state:
-        # casts and moves act on the registered tensors, and the group follows casts.
+        # Resharded first, as FSDP2's: a cast or move reaches the shards, and parameters()
+        # lists them after it (an optimizer built next must hold the shards). Then
+        # nn.Module's (or the original class's), not FSDPModule's, which reads FSDP2's state.
+        group = MANAGED.group_of(cast(nn.Module, self))
+        if group is not None and group.record() is not None:
+            group.reshard()
         return cast(Any, super(FSDPModule, self))._apply(*args, **kwargs)
 
+    def __deepcopy__(self, memo: dict[int, object]) -> NoReturn:
+        """Refused with ``ContractError``, as FSDP2 refuses: move the state dict instead."""
+        raise ContractError(
+            f"fully_shard on {_label(self)}: a sharded module cannot be deep-copied (its "
+            "parameters are shards of tensors spread over the mesh's ranks, gathered by its "
+            "process group); copy the model before fully_shard, or save its state dict "
+            "(model.state_dict(), or get_model_state_dict for full tensors) and load it into a "
+            "new model sharded the same way"
+        )
+
     def __reduce_ex__(self, protocol: Any) -> Any:
-        """Copies and pickles are of the original class (their hooks stand aside)."""
+        """Pickles are of the original class (their hooks stand aside)."""
         reduced = super().__reduce_ex__(protocol)
         if not isinstance(reduced, tuple) or len(reduced) < 2:
             return reduced
@@ -299,6 +332,20 @@ class FullyShardModule(FSDPModule):
         # copyreg.__newobj__ insists on the object's own class; this builds the original.
         original = original_class(cast("type[nn.Module]", type(self)))
         return (_new_object, (original, *arguments[1:]), *reduced[2:])
+
+
+def unshard_group(group: ParamGroup, async_op: bool) -> UnshardHandle | None:
+    """Gather ``group``'s parameters now, or start to (``async_op``) and return the handle.
+
+    What both ``FullyShardModule.unshard`` and the function ``unshard`` do.
+    """
+    group.drop_prefetch()  # gathered before any optimizer step since: gather afresh
+    if not async_op:
+        group.unshard()
+        return None
+    group.check_materialized()
+    group.prefetch(requested=True)
+    return _PendingUnshard(group)
 
 
 class _PendingUnshard(UnshardHandle):
@@ -317,7 +364,14 @@ def _new_object(cls: type[Any], *args: object) -> object:
 
 
 class _ForwardMethodState:
-    """FSDP2's ``FSDPState`` as ``register_fsdp_forward_method`` uses it: two calls, no fields."""
+    """FSDP2's ``FSDPState`` as ``register_fsdp_forward_method`` uses it: two calls, no fields.
+
+    A registered method (``generate``) that runs the module's forward inside it ends
+    with the parameters resharded, the root's too, as FSDP2's: its post-forward then
+    finds the group idle (the inner forward ended it) and frees the parameters in
+    full. Kept registered, they would be what ``parameters()`` lists, so an
+    optimizer built next would hold plain tensors and never update the shards.
+    """
 
     __slots__ = ("_hooks",)
 
@@ -331,7 +385,11 @@ class _ForwardMethodState:
         return (args, kwargs) if result is None else result
 
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: object) -> object:
+        group = self._hooks.group_for(module)
+        nested = group is not None and group.phase is Phase.IDLE  # a forward ran inside
         result = self._hooks.after(module, args, output)
+        if nested and group is not None and not in_backward():
+            group.reshard()
         return output if result is None else result
 
 
