@@ -14,6 +14,7 @@ from typing import Any, Final, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import checkpoint as torch_checkpoint
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "TORCH_VERSION",
     "all_gather_single",
     "checkpoint_generator",
+    "concatenate_meshes",
     "reduce_scatter_single",
 ]
 
@@ -76,3 +78,23 @@ def _first_of(*names: str) -> Callable[..., dist.Work | None]:
 all_gather_single: Final = _first_of("all_gather_single", "all_gather_into_tensor")
 #: ``(output, input, op=..., group=...)``: ``input`` reduced, this rank's slice in ``output``.
 reduce_scatter_single: Final = _first_of("reduce_scatter_single", "reduce_scatter_tensor")
+
+
+# DeviceMesh._concatenate (2.13 has it; detected, not assumed), with which FSDP2 puts a
+# data-parallel mesh and a tensor-parallel one side by side.
+_concatenate: Final = cast(
+    Callable[[list[DeviceMesh]], DeviceMesh] | None, getattr(DeviceMesh, "_concatenate", None)
+)
+
+
+def concatenate_meshes(meshes: list[DeviceMesh], where: str) -> DeviceMesh:
+    """The mesh whose dims are those of ``meshes`` in order, slices of one root mesh.
+
+    Raises ``NotImplementedError`` naming ``where`` on a torch that cannot make it.
+    """
+    if _concatenate is None:
+        raise NotImplementedError(
+            f"{where} is a tensor-parallel DTensor; sharding it needs "
+            f"DeviceMesh._concatenate, which torch {torch.__version__} lacks: use a newer torch"
+        )
+    return _concatenate(meshes)

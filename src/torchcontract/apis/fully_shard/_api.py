@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 from torch.utils.hooks import RemovableHandle
 
 import torchcontract
@@ -47,8 +47,10 @@ from .. import _torch
 from ..replicate import replicate
 from ._group import ALL_GROUPS, ParamGroup
 from ._hooks import ForwardHooks
+from ._layout import Layout, check_post_forward, layout_of
 from ._managed import MANAGED
 from ._module import fully_shard_class, restore_class
+from ._placement import shard_dim
 from ._sharding import Location, ManagedParameter
 from ._state import FullyShardState
 from ._state_dict import register_state_dict_hooks
@@ -188,32 +190,25 @@ def _check_offload(target: nn.Module, policy: OffloadPolicy, mesh: DeviceMesh) -
         )
 
 
-def _check_placements(
-    target: nn.Module, found: Sequence[_Found], placement_fn: Callable[[nn.Parameter], object]
-) -> None:
-    """Ask ``placement_fn`` each parameter's placement; refuse anything but dim 0.
-
-    ``None`` and ``Shard(0)`` (or ``Shard(-ndim)``) are dim 0. Another dim raises
-    ``NotImplementedError``, any other value ``TypeError``.
-    """
-    for item in found:
-        placement = placement_fn(item.parameter)
-        if placement is None:
-            continue
-        if type(placement) is Shard:
-            given: int = cast(Any, placement).dim  # Shard.dim is untyped for pyright
-            if (given + item.parameter.dim() if given < 0 else given) == 0:
-                continue
-            raise NotImplementedError(
-                f"fully_shard on {module_label(target)}: shard_placement_fn returned "
-                f"Shard({given}) for parameter {item.fqn!r}; only dim 0 is supported "
-                "(sharding on another dim is not implemented): return Shard(0) or None"
-            )
-        raise TypeError(
-            f"fully_shard on {module_label(target)}: shard_placement_fn returned "
-            f"{_shown(placement)} for parameter {item.fqn!r}; return Shard(0) or None (a "
-            "ShardPlacementResult with its own mesh is not supported)"
+def _layouts(
+    target: nn.Module,
+    found: Sequence[_Found],
+    mesh: DeviceMesh,
+    placement_fn: Callable[[nn.Parameter], object] | None,
+) -> list[Layout]:
+    """Each parameter's layout: its dim from ``placement_fn``, TP's DTensor if it is one."""
+    label = module_label(target)
+    world = mesh.size(mesh.ndim - 1)
+    return [
+        layout_of(
+            label,
+            item.fqn,
+            item.parameter,
+            mesh,
+            shard_dim(label, item.fqn, item.parameter, placement_fn, world),
         )
+        for item in found
+    ]
 
 
 def _check_mesh(target: nn.Module, mesh: DeviceMesh) -> None:
@@ -266,6 +261,13 @@ def _post_forward_mesh(value: bool | int | None, mesh: DeviceMesh) -> DeviceMesh
     return DeviceMesh(mesh.device_type, mesh.mesh.view(-1, value))
 
 
+def _has_post_forward_mesh(value: bool | int | None, mesh: DeviceMesh) -> bool:
+    """Whether ``value`` is an int strictly between 1 and the shard dim's size."""
+    if value is None or isinstance(value, bool):
+        return False
+    return value not in (1, mesh.size(mesh.ndim - 1))
+
+
 def _caller_level() -> int:
     """The ``stacklevel`` that points a warning at the first caller outside this package."""
     package = str(Path(torchcontract.__file__).parent)
@@ -283,7 +285,7 @@ def _find_parameters(
 
     Raises ``AlreadyManagedError`` for a parameter another application manages
     (one not nested in the targets, or a nested one that does not reach every
-    module sharing the parameter) or that is already a DTensor; ``ContractError``
+    module sharing the parameter); ``ContractError``
     for a 0-d one. Parameters whose ids are in ``ignored`` are left out, their first FQNs appended
     to ``skipped``. Reads only: nothing is changed. One index lookup per parameter,
     and error text only for an error: the cost is linear in the targets' modules
@@ -325,12 +327,6 @@ def _find_parameters(
                             "first, then to the outer"
                         )
                     continue  # a nested application manages it
-                if isinstance(parameter, DTensor):
-                    raise AlreadyManagedError(
-                        f"{_where(target, prefix, name)} is already a DTensor; fully_shard shards "
-                        "plain tensors only (no tensor parallelism yet): pass a module with "
-                        "regular parameters"
-                    )
                 if parameter.dim() == 0:
                     raise ContractError(
                         f"{_where(target, prefix, name)} is a scalar (0-d), which cannot be "
@@ -539,8 +535,11 @@ def fully_shard(
     resharding = _resharding(targets[0], reshard_after_forward, mesh)
     ignored: list[str] = []
     found = _find_parameters(targets, {id(p) for p in ignored_params or ()}, ignored)
-    if shard_placement_fn is not None:
-        _check_placements(targets[0], found, shard_placement_fn)
+    layouts = _layouts(targets[0], found, mesh, shard_placement_fn)
+    if _has_post_forward_mesh(reshard_after_forward, mesh):  # checked before making its groups
+        check_post_forward(
+            module_label(targets[0]), zip(found, layouts, strict=True), reshard_after_forward
+        )
     post_forward = _post_forward_mesh(reshard_after_forward, mesh)
     parameters = [
         ManagedParameter(
@@ -550,8 +549,9 @@ def fully_shard(
             mesh,
             mp_policy.param_dtype,
             post_forward_mesh=post_forward,
+            layout=layout,
         )
-        for item in found
+        for item, layout in zip(found, layouts, strict=True)
     ]
     group = ParamGroup(
         fully_shard,
