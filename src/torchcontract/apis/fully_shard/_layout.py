@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from torchcontract import AlreadyManagedError
+from torchcontract import AlreadyManagedError, InvalidMeshError
 
 from .. import _compat, _torch
 
@@ -120,6 +120,8 @@ def layout_of(label: str, fqn: str, parameter: nn.Parameter, mesh: DeviceMesh, d
         NotImplementedError: a DTensor parameter with a ``Partial`` placement, or more
             than two TP mesh dims (as FSDP2); a torch without mesh concatenation.
         AlreadyManagedError: a DTensor parameter on ``mesh`` or on some of its dims.
+        InvalidMeshError: a DTensor parameter on a mesh that is not, with ``mesh``, a
+            slice of one mesh.
     """
     if not isinstance(parameter, DTensor):
         return Layout(
@@ -145,14 +147,13 @@ def layout_of(label: str, fqn: str, parameter: nn.Parameter, mesh: DeviceMesh, d
             "takes tensor-parallel parameters on a 1-D or 2-D mesh"
         )
     shared = set(mesh.mesh_dim_names or ()).intersection(tp_mesh.mesh_dim_names or ())
-    combined = _compat.concatenate_meshes([mesh, tp_mesh], where) if not shared else None
-    ranks = [] if combined is None else _torch.to_ints(combined.mesh.reshape(-1))
-    if combined is None or len(set(ranks)) != combined.size():
+    if tp_mesh == mesh or shared:
         raise AlreadyManagedError(
             f"{where} is already a DTensor on fully_shard's mesh or on some of its dims; "
             "apply tensor parallelism on other mesh dims than the data-parallel ones and pass "
             "the data-parallel sub-mesh as mesh= (e.g. mesh['dp'] of a (dp, tp) mesh)"
         )
+    combined = _combined(where, mesh, tp_mesh)
     split = 1
     for index, placement in enumerate(tp_placements):
         if isinstance(placement, Shard | _StridedShard) and _shard_dim(placement) == dim:
@@ -166,6 +167,26 @@ def layout_of(label: str, fqn: str, parameter: nn.Parameter, mesh: DeviceMesh, d
         stride=dtensor.stride(),
         tensor_parallel=TensorParallel(tp_mesh, tp_placements),
     )
+
+
+def _combined(where: str, mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The ``(dp..., tp...)`` mesh; ``InvalidMeshError`` unless both are named slices of one."""
+    try:
+        combined = _compat.concatenate_meshes([mesh, tp_mesh], where)
+    except NotImplementedError:
+        raise
+    except Exception as error:  # torch's own checks raise assorted types
+        raise InvalidMeshError(
+            f"{where} is a DTensor on a mesh that cannot stand beside fully_shard's mesh "
+            f"({type(error).__name__}: {error}); slice both from one named mesh, e.g. "
+            "mesh['tp'] for parallelize_module and mesh['dp'] for fully_shard"
+        ) from error
+    if len(set(_torch.to_ints(combined.mesh.reshape(-1)))) != combined.size():
+        raise InvalidMeshError(
+            f"{where} is a DTensor on a mesh whose ranks overlap fully_shard's mesh's; slice "
+            "both from one named mesh, e.g. mesh['tp'] and mesh['dp']"
+        )
+    return combined
 
 
 def _shard_dim(placement: Placement) -> int:

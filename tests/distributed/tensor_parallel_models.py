@@ -1,0 +1,139 @@
+"""The models the 2-D (tensor parallel x fully_shard) tests train, and how they are sharded.
+
+Each is built on one seed, parallelized with ``parallelize_module`` on a TP mesh and
+then sharded with ``fully_shard`` (ours or FSDP2's) on the data-parallel mesh, block by
+block and then the root, as torchtitan does. Sizes do not divide evenly by 2 on dim 0
+after the TP split, so the data-parallel shards are padded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+IN, HIDDEN = 6, 10  # up: (10, 6) -> TP rows 5 -> dp shards 3 and 2; down: (6, 10) -> (6, 5)
+VOCAB, SEQ, BATCH = 50, 8, 2
+
+#: ``fully_shard``'s signature as both libraries take it here.
+Shard = Callable[..., Any]
+
+
+class MLP(nn.Module):
+    """``up`` column-wise, ``down`` row-wise under TP: one all-reduce per forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(IN, HIDDEN)
+        self.down = nn.Linear(HIDDEN, IN)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = x + self.down(torch.relu(self.up(x)))
+        return out
+
+
+MLP_PLAN: dict[str, ParallelStyle] = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+def mlp_stack() -> nn.Sequential:
+    """Two MLP blocks, seeded: every call returns the same parameters."""
+    torch.manual_seed(0)
+    return nn.Sequential(MLP(), MLP())
+
+
+def sharded_mlp(
+    shard: Shard, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, **options: object
+) -> nn.Sequential:
+    """``mlp_stack()`` with TP on ``tp_mesh`` and ``shard`` on ``dp_mesh`` (blocks, then root)."""
+    model = mlp_stack()
+    for block in model:
+        parallelize_module(block, tp_mesh, MLP_PLAN)
+        shard(block, mesh=dp_mesh, **options)
+    shard(model, mesh=dp_mesh)
+    return model
+
+
+def mlp_batch(dp_rank: int, step: int) -> Tensor:
+    """The input of data-parallel rank ``dp_rank`` (the same on its TP ranks) at ``step``."""
+    return torch.randn(4, IN, generator=torch.Generator().manual_seed(100 * dp_rank + step))
+
+
+def mlp_loss(model: nn.Module, x: Tensor) -> Tensor:
+    out: Tensor = model(x)
+    return out.pow(2).mean()
+
+
+def tiny_llama() -> nn.Module:
+    """A 2-layer Hugging Face Llama from a config (no download), seeded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    model: nn.Module = LlamaForCausalLM(config)
+    return model
+
+
+LLAMA_PLAN: dict[str, ParallelStyle] = {
+    "self_attn.q_proj": ColwiseParallel(),
+    "self_attn.k_proj": ColwiseParallel(),
+    "self_attn.v_proj": ColwiseParallel(),
+    "self_attn.o_proj": RowwiseParallel(),
+    "mlp.gate_proj": ColwiseParallel(),
+    "mlp.up_proj": ColwiseParallel(),
+    "mlp.down_proj": RowwiseParallel(),
+}
+
+
+def sharded_llama(shard: Shard, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> nn.Module:
+    """``tiny_llama()``: attention and MLP projections under TP, every layer then the root sharded.
+
+    The embeddings, norms and head stay plain: they are sharded on the data-parallel
+    mesh alone, beside the 2-D parameters.
+    """
+    model = tiny_llama()
+    layers: Any = model.get_submodule("model.layers")
+    for layer in layers:
+        parallelize_module(layer, tp_mesh, LLAMA_PLAN)
+        shard(layer, mesh=dp_mesh)
+    shard(model, mesh=dp_mesh)
+    return model
+
+
+def llama_batch(dp_rank: int, step: int) -> Tensor:
+    generator = torch.Generator().manual_seed(1000 * dp_rank + step)
+    return torch.randint(3, VOCAB, (BATCH, SEQ), generator=generator)
+
+
+def llama_loss(model: nn.Module, tokens: Tensor) -> Tensor:
+    loss: Tensor = model(input_ids=tokens, labels=tokens).loss
+    return loss
+
+
+def two_dimensional(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters on a mesh of more than one dim (those tensor parallelism split)."""
+    return [
+        parameter
+        for parameter in model.parameters()
+        if isinstance(parameter, DTensor) and parameter.device_mesh.ndim > 1
+    ]
