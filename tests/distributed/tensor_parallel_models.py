@@ -8,13 +8,13 @@ after the TP split, so the data-parallel shards are padded.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -26,16 +26,16 @@ IN, HIDDEN = 6, 10  # up: (10, 6) -> TP rows 5 -> dp shards 3 and 2; down: (6, 1
 VOCAB, SEQ, BATCH = 50, 8, 2
 
 #: ``fully_shard``'s signature as both libraries take it here.
-Shard = Callable[..., Any]
+ShardFunction = Callable[..., Any]
 
 
 class MLP(nn.Module):
     """``up`` column-wise, ``down`` row-wise under TP: one all-reduce per forward."""
 
-    def __init__(self) -> None:
+    def __init__(self, features: int = IN, hidden: int = HIDDEN) -> None:
         super().__init__()
-        self.up = nn.Linear(IN, HIDDEN)
-        self.down = nn.Linear(HIDDEN, IN)
+        self.up = nn.Linear(features, hidden)
+        self.down = nn.Linear(hidden, features)
 
     def forward(self, x: Tensor) -> Tensor:
         out: Tensor = x + self.down(torch.relu(self.up(x)))
@@ -45,17 +45,23 @@ class MLP(nn.Module):
 MLP_PLAN: dict[str, ParallelStyle] = {"up": ColwiseParallel(), "down": RowwiseParallel()}
 
 
-def mlp_stack() -> nn.Sequential:
+def mlp_stack(features: int = IN, hidden: int = HIDDEN) -> nn.Sequential:
     """Two MLP blocks, seeded: every call returns the same parameters."""
     torch.manual_seed(0)
-    return nn.Sequential(MLP(), MLP())
+    return nn.Sequential(MLP(features, hidden), MLP(features, hidden))
 
 
 def sharded_mlp(
-    shard: Shard, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, **options: object
+    shard: ShardFunction,
+    dp_mesh: DeviceMesh,
+    tp_mesh: DeviceMesh,
+    *,
+    features: int = IN,
+    hidden: int = HIDDEN,
+    **options: object,
 ) -> nn.Sequential:
     """``mlp_stack()`` with TP on ``tp_mesh`` and ``shard`` on ``dp_mesh`` (blocks, then root)."""
-    model = mlp_stack()
+    model = mlp_stack(features, hidden)
     for block in model:
         parallelize_module(block, tp_mesh, MLP_PLAN)
         shard(block, mesh=dp_mesh, **options)
@@ -63,9 +69,15 @@ def sharded_mlp(
     return model
 
 
-def mlp_batch(dp_rank: int, step: int) -> Tensor:
+def mlp_batch(dp_rank: int, step: int, features: int = IN) -> Tensor:
     """The input of data-parallel rank ``dp_rank`` (the same on its TP ranks) at ``step``."""
-    return torch.randn(4, IN, generator=torch.Generator().manual_seed(100 * dp_rank + step))
+    generator = torch.Generator().manual_seed(100 * dp_rank + step)
+    return torch.randn(4, features, generator=generator)
+
+
+def dim_1_of_matrices(parameter: nn.Parameter) -> Shard | None:
+    """A ``shard_placement_fn``: matrices on dim 1, vectors on dim 0 (the default)."""
+    return Shard(1) if parameter.dim() == 2 else None
 
 
 def mlp_loss(model: nn.Module, x: Tensor) -> Tensor:
@@ -105,7 +117,7 @@ LLAMA_PLAN: dict[str, ParallelStyle] = {
 }
 
 
-def sharded_llama(shard: Shard, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> nn.Module:
+def sharded_llama(shard: ShardFunction, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> nn.Module:
     """``tiny_llama()``: attention and MLP projections under TP, every layer then the root sharded.
 
     The embeddings, norms and head stay plain: they are sharded on the data-parallel
@@ -137,3 +149,33 @@ def two_dimensional(model: nn.Module) -> list[nn.Parameter]:
         for parameter in model.parameters()
         if isinstance(parameter, DTensor) and parameter.device_mesh.ndim > 1
     ]
+
+
+def tensors(state: Mapping[str, object]) -> dict[str, Tensor]:
+    """A state dict's values, checked to be tensors (DTensors stay DTensors)."""
+    found: dict[str, Tensor] = {}
+    for name, value in state.items():
+        assert isinstance(value, Tensor), name
+        found[name] = value
+    return found
+
+
+def local_tensors(state: Mapping[str, object]) -> dict[str, Tensor]:
+    """A sharded state dict's DTensors, as this rank's local tensors."""
+    found: dict[str, Tensor] = {}
+    for name, value in state.items():
+        assert isinstance(value, DTensor), name
+        found[name] = value.to_local()
+    return found
+
+
+def placements(state: Mapping[str, object]) -> list[tuple[str, str]]:
+    """A sharded state dict's names and placements."""
+    return [
+        (name, str(value.placements)) for name, value in state.items() if isinstance(value, DTensor)
+    ]
+
+
+def norm_value(norm: Tensor) -> float:
+    """``clip_grad_norm_``'s result as a float: the full norm if it is a DTensor."""
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)

@@ -13,7 +13,14 @@ from typing import Any
 import pytest
 import torch
 from fully_shard_models import full_gradients, full_parameters, largest_gap
-from tensor_parallel_models import mlp_batch, mlp_loss, sharded_mlp, two_dimensional
+from tensor_parallel_models import (
+    mlp_batch,
+    mlp_loss,
+    norm_value,
+    placements,
+    sharded_mlp,
+    two_dimensional,
+)
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -68,16 +75,13 @@ def _job(rank: int, world_size: int) -> Results:
             torch.nn.utils.clip_grad_norm_(two_dimensional(model), max_norm=0.05)
             for model in models
         ]
-        results["norms"].append(tuple(float(norm.full_tensor()) for norm in norms))
+        results["norms"].append(tuple(norm_value(norm) for norm in norms))
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
     results["parameter_gap"] = largest_gap(full_parameters(models[0]), full_parameters(models[1]))
     mine, theirs = (get_model_state_dict(model) for model in models)
-    results["state_dict"] = (
-        [str(value.placements) for value in mine.values() if isinstance(value, DTensor)],
-        [str(value.placements) for value in theirs.values() if isinstance(value, DTensor)],
-    )
+    results["state_dict"] = (placements(mine), placements(theirs))
     return results
 
 

@@ -10,6 +10,8 @@ state dicts and DCP; a checkpoint saved under ``(dp, tp)`` is then loaded by pla
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +20,18 @@ import torch
 from fully_shard_models import full_gradients, full_parameters, largest_gap
 from tensor_parallel_models import (
     IN,
+    dim_1_of_matrices,
     llama_batch,
     llama_loss,
+    local_tensors,
     mlp_batch,
     mlp_loss,
     mlp_stack,
+    norm_value,
+    placements,
     sharded_llama,
     sharded_mlp,
+    tensors,
     two_dimensional,
 )
 from torch import Tensor, nn
@@ -80,7 +87,7 @@ def _layout(model: nn.Module) -> list[tuple[str, str, tuple[int, ...], tuple[int
 
 
 def _train(
-    models: list[nn.Module], loss_of: Any, batch_of: Any, dp_rank: int, steps: int
+    models: Sequence[nn.Module], loss_of: Any, batch_of: Any, dp_rank: int, steps: int
 ) -> Results:
     """AdamW steps on both models; losses, gradient gaps and clip_grad_norm_ of each step."""
     optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in models]
@@ -97,9 +104,7 @@ def _train(
             torch.nn.utils.clip_grad_norm_(two_dimensional(model), max_norm=0.05)
             for model in models
         ]
-        results["norms"].append(
-            tuple(float(n.full_tensor() if isinstance(n, DTensor) else n) for n in norms)
-        )
+        results["norms"].append(tuple(norm_value(norm) for norm in norms))
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
@@ -149,23 +154,34 @@ def _mixed_precision(dp_rank: int, mesh: DeviceMesh) -> Results:
     return results
 
 
+def _dim_1(dp_rank: int, mesh: DeviceMesh) -> Results:
+    """``shard_placement_fn`` returning ``Shard(1)`` for the matrices, under TP."""
+    models = [
+        sharded_mlp(
+            shard,
+            mesh["dp"],
+            mesh["tp"],
+            features=8,
+            hidden=12,
+            shard_placement_fn=dim_1_of_matrices,
+        )
+        for shard in (fully_shard, torch_fully_shard)
+    ]
+    results = _train(models, mlp_loss, partial(mlp_batch, features=8), dp_rank, STEPS)
+    results["layout"] = (_layout(models[0]), _layout(models[1]))
+    return results
+
+
 def _state_dicts(model: nn.Module, reference: nn.Module, directory: Path, dp_rank: int) -> Results:
     results: Results = {}
     mine_full = get_model_state_dict(model, options=FULL)
     theirs_full = get_model_state_dict(reference, options=FULL)
     results["full_keys"] = list(mine_full) == list(theirs_full)
     results["full_plain"] = all(not isinstance(v, DTensor) for v in mine_full.values())
-    results["full_gap"] = largest_gap(mine_full, theirs_full)
+    results["full_gap"] = largest_gap(tensors(mine_full), tensors(theirs_full))
     mine, theirs = get_model_state_dict(model), get_model_state_dict(reference)
-    results["sharded_placements"] = [
-        (str(a.placements), str(b.placements))
-        for a, b in zip(mine.values(), theirs.values(), strict=True)
-        if isinstance(a, DTensor) and isinstance(b, DTensor)
-    ]
-    results["sharded_gap"] = largest_gap(
-        {k: v.to_local() for k, v in mine.items() if isinstance(v, DTensor)},
-        {k: v.to_local() for k, v in theirs.items() if isinstance(v, DTensor)},
-    )
+    results["sharded_placements"] = (placements(mine), placements(theirs))
+    results["sharded_gap"] = largest_gap(local_tensors(mine), local_tensors(theirs))
     saved = full_parameters(model)
     dcp_save(mine, checkpoint_id=str(directory / "tp"))
     if torch.distributed.get_rank() == 0:
@@ -199,6 +215,7 @@ def _job(rank: int, world_size: int, directory: str) -> Results:
     results["state_dicts"] = _state_dicts(ours, theirs, Path(directory), dp_rank)
     results["one_process_gap"] = _against_one_process(dp_rank, mesh)
     results["mixed_precision"] = _mixed_precision(dp_rank, mesh)
+    results["dim_1"] = _dim_1(dp_rank, mesh)
     llamas = [
         sharded_llama(shard, mesh["dp"], mesh["tp"]) for shard in (fully_shard, torch_fully_shard)
     ]
@@ -313,13 +330,25 @@ def test_tp_llama_trains_as_torch_fully_shard_with_adamw(ranks: Ranks) -> None:
         assert results["parameter_gap"] <= TOLERANCE
 
 
+def test_tp_parameters_shard_on_dim_1_as_torch_fully_shard(ranks: Ranks) -> None:
+    for results in _each(ranks, "dim_1"):
+        mine, theirs = results["layout"]
+        assert mine == theirs
+        placements = {entry[1] for entry in mine}
+        assert "(Shard(dim=1), Shard(dim=0))" in placements  # colwise weight, dp on dim 1
+        assert "(_StridedShard(dim=1, sf=2), Shard(dim=1))" in placements  # rowwise weight
+        assert all(abs(a - b) <= TOLERANCE for a, b in results["losses"])
+        assert results["parameter_gap"] <= TOLERANCE
+
+
 def test_tp_state_dicts_equal_torch_fully_shard(ranks: Ranks) -> None:
     for results in _each(ranks, "state_dicts"):
         assert results["full_keys"]
         assert results["full_plain"]
         assert results["full_gap"] <= TOLERANCE
         assert results["sharded_gap"] <= TOLERANCE
-        assert all(mine == theirs for mine, theirs in results["sharded_placements"])
+        mine, theirs = results["sharded_placements"]
+        assert mine == theirs
 
 
 def test_tp_checkpoint_round_trips_through_dcp_and_a_full_state_dict(ranks: Ranks) -> None:
