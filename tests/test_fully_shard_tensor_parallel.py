@@ -1,0 +1,107 @@
+"""fully_shard's refusals for tensor-parallel DTensor parameters, in one process.
+
+Over PyTorch's fake process group of 4 ranks: what needs no numbers. Each refusal
+leaves the module as it was. The numbers, against FSDP2 on gloo ranks, are in
+``tests/distributed/test_fully_shard_tp_gloo.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from torchcontract import AlreadyManagedError
+from torchcontract.apis import fully_shard
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[DeviceMesh]:
+    """A (dp, tp) mesh of 4 x 1: room for an int ``reshard_after_forward`` between 1 and 4."""
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        yield init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "tp"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _column_parallel(mesh: DeviceMesh) -> nn.Sequential:
+    model = nn.Sequential(nn.Linear(4, 8))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
+    return model
+
+
+def _unchanged(model: nn.Sequential, mesh: DeviceMesh) -> bool:
+    weight = model[0].weight
+    return (
+        type(model) is nn.Sequential
+        and isinstance(weight, DTensor)
+        and weight.device_mesh == mesh["tp"]
+        and not fully_shard.is_applied(model)
+    )
+
+
+def test_tp_parameters_live_on_the_dp_and_tp_dims(mesh: DeviceMesh) -> None:
+    model = fully_shard(_column_parallel(mesh), mesh=mesh["dp"])
+    weight = model[0].weight
+    assert isinstance(weight, DTensor)
+    assert weight.device_mesh.mesh_dim_names == ("dp", "tp")
+    assert weight.placements == (Shard(0), Shard(0))  # TP's split of 1: no _StridedShard
+    assert weight.to_local().shape == (2, 4)
+
+
+def test_an_int_reshard_after_forward_with_tp_parameters_is_refused(mesh: DeviceMesh) -> None:
+    model = _column_parallel(mesh)
+    with pytest.raises(NotImplementedError, match=r"parameter '0.weight', a tensor-parallel"):
+        fully_shard(model, mesh=mesh["dp"], reshard_after_forward=2)
+    assert _unchanged(model, mesh)
+
+
+def test_an_int_reshard_after_forward_with_dim_1_shards_is_refused(mesh: DeviceMesh) -> None:
+    model = nn.Sequential(nn.Linear(4, 8))
+    with pytest.raises(NotImplementedError, match=r"parameter '0.weight', split on dim 1"):
+        fully_shard(
+            model,
+            mesh=mesh["dp"],
+            reshard_after_forward=2,
+            shard_placement_fn=lambda parameter: Shard(1) if parameter.dim() == 2 else None,
+        )
+    assert not any(isinstance(parameter, DTensor) for parameter in model.parameters())
+
+
+def test_a_dtensor_on_the_data_parallel_mesh_is_refused(mesh: DeviceMesh) -> None:
+    linear = nn.Linear(4, 8)
+    model = nn.Sequential(linear)
+    linear.weight = nn.Parameter(
+        distribute_tensor(linear.weight.detach(), mesh["dp"], [Replicate()])
+    )
+    with pytest.raises(AlreadyManagedError, match=r"'0.weight' is already a DTensor on fully"):
+        fully_shard(model, mesh=mesh["dp"])
+    assert type(model) is nn.Sequential
+    weight = model[0].weight
+    assert isinstance(weight, DTensor)
+    assert weight.device_mesh == mesh["dp"]
+
+
+def test_a_partial_dtensor_is_refused(mesh: DeviceMesh) -> None:
+    model = nn.Sequential(nn.Linear(4, 8))
+    partial = DTensor.from_local(torch.ones(8, 4), mesh["tp"], [Partial()], run_check=False)
+    model[0].weight = nn.Parameter(partial)
+    with pytest.raises(NotImplementedError, match=r"'0.weight' is a DTensor with a Partial"):
+        fully_shard(model, mesh=mesh["dp"])
+    assert type(model) is nn.Sequential
+
+
+def test_a_tp_placement_out_of_range_is_refused_naming_the_parameter(mesh: DeviceMesh) -> None:
+    model = _column_parallel(mesh)
+    with pytest.raises(ValueError, match=r"Shard\(-3\) for parameter '0.weight' of 2 dims"):
+        fully_shard(model, mesh=mesh["dp"], shard_placement_fn=lambda parameter: Shard(-3))
+    assert _unchanged(model, mesh)
