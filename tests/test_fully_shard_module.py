@@ -339,6 +339,6 @@ def test_a_placement_that_is_not_a_shard_is_refused(mesh: DeviceMesh) -> None:
         fully_shard(Net(), mesh=mesh, shard_placement_fn=lambda parameter: Replicate())  # type: ignore[arg-type,return-value]
 
 
-def test_dp_mesh_dims_is_refused(mesh: DeviceMesh) -> None:
-    with pytest.raises(NotImplementedError, match=r"dp_mesh_dims .* is not supported"):
+def test_dp_mesh_dims_of_another_type_is_refused(mesh: DeviceMesh) -> None:
+    with pytest.raises(TypeError, match=r"dp_mesh_dims must be a torch.distributed.fsdp.Data"):
         fully_shard(Net(), mesh=mesh, dp_mesh_dims=object())  # type: ignore[call-overload]

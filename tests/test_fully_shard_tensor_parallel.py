@@ -1,4 +1,4 @@
-"""fully_shard's refusals for tensor-parallel DTensor parameters, in one process.
+"""fully_shard on DTensor parameters (tensor parallel, dp_mesh_dims): placements and refusals.
 
 Over PyTorch's fake process group of 4 ranks: what needs no numbers. Each refusal
 leaves the module as it was. The numbers, against FSDP2 on gloo ranks, are in
@@ -14,12 +14,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchcontract import AlreadyManagedError
 from torchcontract.apis import fully_shard
+
+_REPLICATED = [Replicate(), Replicate()]
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +108,50 @@ def test_a_tp_placement_out_of_range_is_refused_naming_the_parameter(mesh: Devic
     with pytest.raises(ValueError, match=r"Shard\(-3\) for parameter '0.weight' of 2 dims"):
         fully_shard(model, mesh=mesh["dp"], shard_placement_fn=lambda parameter: Shard(-3))
     assert _unchanged(model, mesh)
+
+
+# ----------------------------------------------------------------- dp_mesh_dims
+
+
+def test_dp_mesh_dims_shards_dtensors_of_the_full_mesh(mesh: DeviceMesh) -> None:
+    linear = nn.Linear(4, 8)
+    linear.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, _REPLICATED))
+    linear.bias = nn.Parameter(distribute_tensor(linear.bias.detach(), mesh, _REPLICATED))
+    model = fully_shard(nn.Sequential(linear), mesh=mesh, dp_mesh_dims=DataParallelMeshDims("dp"))
+    weight = model[0].weight
+    assert isinstance(weight, DTensor)
+    assert weight.device_mesh == mesh
+    assert weight.placements == (Shard(0), Replicate())
+    assert weight.to_local().shape == (2, 4)
+
+
+def test_dp_mesh_dims_refuses_a_plain_parameter_naming_it(mesh: DeviceMesh) -> None:
+    model = nn.Sequential(nn.Linear(4, 8))
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is a plain tensor"):
+        fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims("dp"))
+    assert type(model) is nn.Sequential
+
+
+def test_dp_mesh_dims_refuses_a_name_the_mesh_lacks(mesh: DeviceMesh) -> None:
+    with pytest.raises(ValueError, match=r"names 'fsdp', which is not a dim of the mesh"):
+        fully_shard(nn.Linear(4, 8), mesh=mesh, dp_mesh_dims=DataParallelMeshDims("fsdp"))
+
+
+def test_dp_mesh_dims_refuses_an_int_reshard_after_forward(mesh: DeviceMesh) -> None:
+    with pytest.raises(NotImplementedError, match=r"reshard_after_forward=2 \(an int\) with dp"):
+        fully_shard(
+            nn.Linear(4, 8),
+            mesh=mesh,
+            dp_mesh_dims=DataParallelMeshDims("dp"),
+            reshard_after_forward=2,
+        )
+
+
+def test_dp_mesh_dims_refuses_a_parameter_sharded_on_a_data_parallel_dim(
+    mesh: DeviceMesh,
+) -> None:
+    linear = nn.Linear(4, 8)
+    sharded = distribute_tensor(linear.weight.detach(), mesh, [Shard(0), Replicate()])
+    linear.weight = nn.Parameter(sharded)
+    with pytest.raises(ValueError, match=r"'0.weight' is Shard\(dim=0\) on data-parallel mesh"):
+        fully_shard(nn.Sequential(linear), mesh=mesh, dp_mesh_dims=DataParallelMeshDims("dp"))

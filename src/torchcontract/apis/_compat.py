@@ -14,10 +14,12 @@ from typing import Any, Final, cast
 
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import checkpoint as torch_checkpoint
 
 __all__ = [
+    "DATA_PARALLEL_MESH_DIMS",
     "OLDEST_TESTED",
     "REFERENCE_FULLY_SHARD_ON_CPU",
     "TORCH_VERSION",
@@ -98,3 +100,10 @@ def concatenate_meshes(meshes: list[DeviceMesh], where: str) -> DeviceMesh:
             f"DeviceMesh._concatenate, which torch {torch.__version__} lacks: use a newer torch"
         )
     return _concatenate(meshes)
+
+
+#: torch's ``DataParallelMeshDims`` (``fully_shard``'s ``dp_mesh_dims``), or None where this
+#: torch's FSDP2 has none.
+DATA_PARALLEL_MESH_DIMS: Final = cast(
+    type | None, getattr(torch.distributed.fsdp, "DataParallelMeshDims", None)
+)

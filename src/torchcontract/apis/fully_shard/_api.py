@@ -52,6 +52,7 @@ from ._managed import MANAGED
 from ._module import fully_shard_class, restore_class
 from ._placement import shard_dim
 from ._sharding import Location, ManagedParameter
+from ._spmd import DataParallelDims, data_parallel_dims, spmd_layout
 from ._state import FullyShardState
 from ._state_dict import register_state_dict_hooks
 
@@ -108,7 +109,6 @@ def _check_arguments(
     offload_policy: object,
     shard_placement_fn: object,
     ignored_params: object,
-    dp_mesh_dims: object,
 ) -> None:
     """Raise ``TypeError`` naming the argument for one of a wrong type, before anything else."""
     if mesh is not None and not isinstance(mesh, DeviceMesh):
@@ -160,12 +160,6 @@ def _check_arguments(
             f"fully_shard on {_label(target)}: ignored_params must be a set of nn.Parameter or "
             f"None, got {_shown(ignored_params)}; pass e.g. ignored_params={{model.head.weight}}"
         )
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            f"fully_shard on {_label(target)}: dp_mesh_dims (parameters already DTensors on a "
-            "full SPMD mesh) is not supported; pass a data-parallel mesh as mesh= and plain "
-            "parameters"
-        )
 
 
 def _is_parameter_set(value: object) -> bool:
@@ -195,20 +189,31 @@ def _layouts(
     found: Sequence[_Found],
     mesh: DeviceMesh,
     placement_fn: Callable[[nn.Parameter], object] | None,
+    spmd: DataParallelDims | None,
 ) -> list[Layout]:
-    """Each parameter's layout: its dim from ``placement_fn``, TP's DTensor if it is one."""
+    """Each parameter's layout: its dim from ``placement_fn``, TP's DTensor if it is one.
+
+    With ``spmd`` (``dp_mesh_dims``), each a DTensor on the full mesh.
+    """
     label = module_label(target)
     world = mesh.size(mesh.ndim - 1)
-    return [
-        layout_of(
-            label,
-            item.fqn,
-            item.parameter,
-            mesh,
-            shard_dim(label, item.fqn, item.parameter, placement_fn, world),
+    layouts: list[Layout] = []
+    for item in found:
+        dim = shard_dim(label, item.fqn, item.parameter, placement_fn, world)
+        if spmd is None:
+            layouts.append(layout_of(label, item.fqn, item.parameter, mesh, dim))
+        else:
+            layouts.append(spmd_layout(label, item.fqn, item.parameter, spmd, dim))
+    return layouts
+
+
+def _check_spmd_resharding(target: nn.Module, value: bool | int | None) -> None:
+    """As FSDP2: an int ``reshard_after_forward`` is refused with ``dp_mesh_dims``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        raise NotImplementedError(
+            f"fully_shard on {module_label(target)}: reshard_after_forward={value} (an int) "
+            "with dp_mesh_dims is not supported, as in FSDP2; pass True or False"
         )
-        for item in found
-    ]
 
 
 def _check_mesh(target: nn.Module, mesh: DeviceMesh) -> None:
@@ -527,15 +532,20 @@ def fully_shard(
         offload_policy=offload_policy,
         shard_placement_fn=shard_placement_fn,
         ignored_params=ignored_params,
-        dp_mesh_dims=dp_mesh_dims,
     )
     mesh = _default_mesh(targets[0]) if mesh is None else mesh
-    _check_mesh(targets[0], mesh)
+    spmd = None
+    if dp_mesh_dims is None:
+        _check_mesh(targets[0], mesh)
+    else:  # mesh is the full SPMD mesh: shard over the data-parallel dims it names
+        spmd = data_parallel_dims(f"fully_shard on {module_label(targets[0])}", mesh, dp_mesh_dims)
+        _check_spmd_resharding(targets[0], reshard_after_forward)
+        mesh = spmd.mesh
     _check_offload(targets[0], offload_policy, mesh)
     resharding = _resharding(targets[0], reshard_after_forward, mesh)
     ignored: list[str] = []
     found = _find_parameters(targets, {id(p) for p in ignored_params or ()}, ignored)
-    layouts = _layouts(targets[0], found, mesh, shard_placement_fn)
+    layouts = _layouts(targets[0], found, mesh, shard_placement_fn, spmd)
     if _has_post_forward_mesh(reshard_after_forward, mesh):  # checked before making its groups
         check_post_forward(
             module_label(targets[0]), zip(found, layouts, strict=True), reshard_after_forward

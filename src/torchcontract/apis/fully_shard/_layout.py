@@ -38,10 +38,15 @@ __all__ = ["Layout", "TensorParallel", "check_post_forward", "layout_of", "local
 
 @attrs.frozen
 class TensorParallel:
-    """The TP ``DTensor`` a parameter was: its mesh and placements (the unsharded form)."""
+    """The ``DTensor`` a parameter was: its mesh and placements (the unsharded form).
+
+    ``keep``: mesh dims whose gradient placement is left as autograd made it (the
+    data-parallel dims of an SPMD mesh, which the reduce-scatter reduces).
+    """
 
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
+    keep: frozenset[int] = frozenset()
 
 
 @attrs.frozen
@@ -99,8 +104,12 @@ class Layout:
         tensor_parallel = self.tensor_parallel
         if tensor_parallel is None or not isinstance(grad, DTensor):
             return grad
-        if tuple(grad.placements) != tensor_parallel.placements:
-            grad = grad.redistribute(placements=tensor_parallel.placements)
+        target = tuple(
+            placement if index in tensor_parallel.keep else tensor_parallel.placements[index]
+            for index, placement in enumerate(grad.placements)
+        )
+        if tuple(grad.placements) != target:
+            grad = grad.redistribute(placements=target)
         return grad.to_local()
 
 

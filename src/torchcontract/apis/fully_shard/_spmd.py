@@ -1,0 +1,139 @@
+"""``dp_mesh_dims``: ``mesh`` is the full SPMD mesh and parameters are DTensors on it.
+
+As FSDP2's ``_get_mesh_info_from_named_dims`` and ``_init_sharding_spec_spmd``:
+``dp_mesh_dims.shard`` names the mesh dim parameters are sharded over and
+``dp_mesh_dims.replicate`` (HSDP) the one gradients are also averaged over; every
+parameter is a DTensor on ``mesh`` itself, ``Replicate()`` on those dims. Its local
+tensor is split on the shard dim's ranks; the shard keeps the parameter's
+placements with the shard dim's ``Replicate()`` replaced by ``Shard(d)``
+(``_StridedShard`` where later mesh dims split dim ``d`` too); the unsharded
+parameter is the original DTensor again. Gradients keep what their data-parallel
+dims hold (FSDP2 leaves a ``Partial`` there for the reduce-scatter).
+
+Only one name per field is taken (FSDP2 flattens several into one dim), and
+``shard`` must be given (``replicate`` alone is FSDP2's DDP mode).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import attrs
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from .. import _compat
+from ._layout import Layout, TensorParallel
+
+__all__ = ["DataParallelDims", "data_parallel_dims", "spmd_layout"]
+
+
+@attrs.frozen
+class DataParallelDims:
+    """The data-parallel dims of an SPMD mesh: the mesh collectives run on, and their indices.
+
+    ``mesh`` is 1-D (the shard dim) or 2-D ``(replicate, shard)``, as the mesh
+    ``fully_shard`` takes without ``dp_mesh_dims``.
+    """
+
+    spmd_mesh: DeviceMesh
+    mesh: DeviceMesh
+    shard: int
+    replicate: int | None
+
+
+def _names(value: object, field: str, where: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, tuple) and all(isinstance(name, str) for name in cast(Any, value)):
+        return cast(tuple[str, ...], value)
+    raise TypeError(f"{where}: dp_mesh_dims.{field} must be a mesh dim name, a tuple or None")
+
+
+def data_parallel_dims(where: str, mesh: DeviceMesh, dims: object) -> DataParallelDims:
+    """Check ``dims`` against ``mesh``; the data-parallel mesh it names.
+
+    Raises ``TypeError`` if ``dims`` is not a ``DataParallelMeshDims`` (or this torch
+    has none), ``ValueError`` for a name ``mesh`` lacks or an unnamed mesh, and
+    ``NotImplementedError`` for several names in a field or no ``shard``.
+    """
+    kind = _compat.DATA_PARALLEL_MESH_DIMS
+    if kind is None:
+        raise TypeError(
+            f"{where}: dp_mesh_dims needs torch.distributed.fsdp.DataParallelMeshDims, which "
+            "this torch lacks; pass mesh= the data-parallel mesh and leave dp_mesh_dims None"
+        )
+    if not isinstance(dims, kind):
+        raise TypeError(
+            f"{where}: dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims or "
+            f"None, got a {type(dims).__qualname__}; pass e.g. DataParallelMeshDims(shard='dp')"
+        )
+    shard = _names(getattr(dims, "shard", None), "shard", where)
+    replicate = _names(getattr(dims, "replicate", None), "replicate", where)
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(f"{where}: dp_mesh_dims needs a mesh with mesh_dim_names")
+    for name in (*shard, *replicate):
+        if name not in names:
+            raise ValueError(
+                f"{where}: dp_mesh_dims names {name!r}, which is not a dim of the mesh {names}"
+            )
+    if len(shard) != 1 or len(replicate) > 1:
+        raise NotImplementedError(
+            f"{where}: dp_mesh_dims with shard={shard} and replicate={replicate} is not "
+            "supported: name one shard dim, and at most one replicate dim"
+        )
+    shard_mesh = mesh[shard[0]]
+    if not replicate:
+        return DataParallelDims(mesh, shard_mesh, names.index(shard[0]), None)
+    both = _compat.concatenate_meshes([mesh[replicate[0]], shard_mesh], where)
+    return DataParallelDims(mesh, both, names.index(shard[0]), names.index(replicate[0]))
+
+
+def spmd_layout(
+    label: str, fqn: str, parameter: nn.Parameter, dims: DataParallelDims, dim: int
+) -> Layout:
+    """The layout of ``parameter``, a DTensor on the SPMD mesh, split on ``dim``.
+
+    Raises ``ValueError`` naming ``fqn`` for a plain parameter, one on another mesh,
+    or one not ``Replicate()`` on a data-parallel dim (as FSDP2).
+    """
+    where = f"fully_shard on {label}: parameter {fqn!r}"
+    if not isinstance(parameter, DTensor):
+        raise ValueError(
+            f"{where} is a plain tensor; with dp_mesh_dims every parameter must be a DTensor "
+            "on the mesh passed (e.g. through distribute_module)"
+        )
+    dtensor = cast(DTensor, parameter)
+    if dtensor.device_mesh != dims.spmd_mesh:
+        raise ValueError(f"{where} is a DTensor on another mesh than the one passed as mesh=")
+    placements = list(dtensor.placements)
+    data_parallel = [dims.shard] if dims.replicate is None else [dims.replicate, dims.shard]
+    for index in data_parallel:
+        if not isinstance(placements[index], Replicate):
+            raise ValueError(
+                f"{where} is {placements[index]!r} on data-parallel mesh dim {index}; with "
+                "dp_mesh_dims it must be Replicate() there"
+            )
+    split = 1
+    for index in range(dims.shard + 1, dims.spmd_mesh.ndim):
+        later = placements[index]
+        if isinstance(later, Shard | _StridedShard) and cast(Any, later).dim == dim:
+            split *= dims.spmd_mesh.size(index)
+    sharded: list[Placement] = list(placements)
+    sharded[dims.shard] = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+    return Layout(
+        dim=dim,
+        mesh=dims.spmd_mesh,
+        placements=tuple(sharded),
+        local_shape=dtensor.to_local().shape,
+        shape=dtensor.shape,
+        stride=dtensor.stride(),
+        tensor_parallel=TensorParallel(
+            dims.spmd_mesh, tuple(placements), keep=frozenset(data_parallel)
+        ),
+    )
