@@ -314,7 +314,8 @@ def test_a_placement_on_dim_1_shards_the_matrices_on_dim_1(mesh: DeviceMesh) -> 
     assert first.to_local().shape == (6, 2)
     assert first.shape == (6, 4)
     bias = model.first.bias
-    assert isinstance(bias, DTensor) and bias.placements == (Shard(0),)
+    assert isinstance(bias, DTensor)
+    assert bias.placements == (Shard(0),)
 
 
 def test_a_placement_out_of_range_is_refused_naming_the_parameter(mesh: DeviceMesh) -> None:

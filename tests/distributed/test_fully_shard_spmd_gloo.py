@@ -90,7 +90,7 @@ def _job(rank: int, world_size: int, directory: str) -> Results:
         losses = [_loss(model, x) for model in models]
         for loss in losses:
             torch.autograd.backward(loss)
-        results["losses"].append(tuple(float(loss.detach().full_tensor()) for loss in losses))
+        results["losses"].append(tuple(float(loss.full_tensor().detach()) for loss in losses))
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
