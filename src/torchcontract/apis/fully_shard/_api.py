@@ -1,8 +1,9 @@
-"""fully_shard(): shard a module's parameters over a 1-D mesh, as PyTorch's FSDP2 does.
+"""fully_shard(): shard a module's parameters over a data-parallel mesh, as PyTorch's FSDP2 does.
 
 Apply validates everything first (mesh, every parameter), then shards: each
 managed parameter is replaced, under each of its names, by an ``nn.Parameter``
-holding a ``DTensor`` sharded on dim 0; the hooks of ``_hooks`` gather and free
+holding a ``DTensor`` sharded on one dim (its ``Layout``, tensor parallelism's
+DTensors included); the hooks of ``_hooks`` gather and free
 the parameters around forward and backward. If the enclosing apply rolls back,
 an undo step puts the original parameters back and removes the hooks.
 """
@@ -152,7 +153,7 @@ def _check_arguments(
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(
             f"fully_shard on {_label(target)}: shard_placement_fn must be callable or None, got "
-            f"{_shown(shard_placement_fn)}; pass a function of a parameter returning Shard(0) "
+            f"{_shown(shard_placement_fn)}; pass a function of a parameter returning Shard(dim) "
             "or None"
         )
     if ignored_params is not None and not _is_parameter_set(ignored_params):
@@ -474,7 +475,10 @@ def fully_shard(
     parameter under the module(s) that no earlier, nested ``fully_shard`` manages
     and that is not in ``ignored_params`` becomes an ``nn.Parameter`` holding a
     ``DTensor`` sharded on dim 0 (``Shard(0)``, padded where dim 0 does not
-    divide), under the same FQNs. Each module (each outer one of a list) becomes
+    divide; another dim with ``shard_placement_fn``), under the same FQNs. A
+    parameter that tensor parallelism made a ``DTensor`` is sharded on its local
+    tensor, its shard a ``DTensor`` on the data-parallel and TP meshes together,
+    as FSDP2's. Each module (each outer one of a list) becomes
     an instance of ``FSDP<Class>``, a subclass of ``torch.distributed.fsdp.FSDPModule``
     and of its class, whose ``FSDPModule`` methods act on this application. Its
     forward all-gathers the parameters first; backward gathers them again if
@@ -489,15 +493,17 @@ def fully_shard(
             process group on the accelerator if there is one, else on CPU. A 2-D
             mesh ``(replicate, shard)`` is HSDP, as in FSDP2: parameters are sharded
             over the inner dim (placements ``(Replicate(), Shard(0))``) and
-            gradients averaged over both.
+            gradients averaged over both. With tensor parallelism, the data-parallel
+            sub-mesh (``mesh["dp"]``); with ``dp_mesh_dims``, the full mesh.
         reshard_after_forward: As in FSDP2: ``None`` frees the parameters after
             forward except on the root (the first application to run forward),
             ``True`` always, ``False`` never; an int is the world size to reshard
             to (1 means False, the shard size True; in between, each rank keeps its
             share of a smaller group's shards after forward and backward gathers
             over that group, FSDP2's post-forward mesh).
-        shard_placement_fn: Called with each parameter; may return ``None`` or
-            ``Shard(0)``.
+        shard_placement_fn: Called with each parameter; may return ``None``
+            (dim 0) or ``Shard(d)``: shard on dim ``d``, which must divide evenly
+            over the shard ranks unless it is 0.
         mp_policy: FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` for the
             gathered parameters (and the floating inputs, if
             ``cast_forward_inputs``), ``reduce_dtype`` for gradient reduction,
@@ -505,20 +511,27 @@ def fully_shard(
         offload_policy: ``CPUOffloadPolicy`` on a CPU mesh changes nothing (the
             shards are on CPU already).
         ignored_params: Parameters left as they are, neither sharded nor managed.
-        dp_mesh_dims: Accepted as ``None`` only.
+        dp_mesh_dims: torch's ``DataParallelMeshDims``: ``mesh`` is the full
+            mesh, every parameter a DTensor on it, ``Replicate()`` on the named
+            data-parallel dims (one shard dim, at most one replicate dim).
 
     Returns:
         ``module`` itself (the contract returns what it was given), typed as given.
 
     Raises:
-        TypeError: An argument is of the wrong type (the message names it).
+        TypeError: An argument is of the wrong type (the message names it), or
+            ``dp_mesh_dims`` where torch has no ``DataParallelMeshDims``.
         ValueError: An int ``reshard_after_forward`` does not divide the mesh's
-            size, or a dtype is not floating point.
-        NotImplementedError: A placement on another dim than 0, ``dp_mesh_dims``,
-            or ``CPUOffloadPolicy`` on an accelerator mesh.
-        InvalidMeshError: The mesh is neither 1-D nor 2-D (a ``ValueError``).
-        AlreadyManagedError: A parameter another application manages, or one that
-            is already a DTensor.
+            size, a dtype is not floating point, a placement's dim is out of a
+            parameter's range, or ``dp_mesh_dims`` does not fit the mesh or a
+            parameter.
+        NotImplementedError: An uneven placement on another dim than 0, an int
+            ``reshard_after_forward`` for tensor-parallel parameters or another dim
+            than 0, or ``CPUOffloadPolicy`` on an accelerator mesh.
+        InvalidMeshError: The mesh is neither 1-D nor 2-D (a ``ValueError``), or
+            a tensor-parallel mesh cannot stand beside it.
+        AlreadyManagedError: A parameter another application manages, or a
+            DTensor on the data-parallel mesh.
         ContractError: No process group, or a 0-d parameter.
     """
     # A list's modules nested in one another: the outer ones hold the group, as the
