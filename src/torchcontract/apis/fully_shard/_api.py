@@ -196,15 +196,14 @@ def _layouts(
 
     With ``spmd`` (``dp_mesh_dims``), each a DTensor on the full mesh.
     """
-    label = module_label(target)
     world = mesh.size(mesh.ndim - 1)
     layouts: list[Layout] = []
     for item in found:
-        dim = shard_dim(label, item.fqn, item.parameter, placement_fn, world)
+        dim = shard_dim(target, item.fqn, item.parameter, placement_fn, world)
         if spmd is None:
-            layouts.append(layout_of(label, item.fqn, item.parameter, mesh, dim))
+            layouts.append(layout_of(target, item.fqn, item.parameter, mesh, dim))
         else:
-            layouts.append(spmd_layout(label, item.fqn, item.parameter, spmd, dim))
+            layouts.append(spmd_layout(target, item.fqn, item.parameter, spmd, dim))
     return layouts
 
 
@@ -551,7 +550,7 @@ def fully_shard(
     if dp_mesh_dims is None:
         _check_mesh(targets[0], mesh)
     else:  # mesh is the full SPMD mesh: shard over the data-parallel dims it names
-        spmd = data_parallel_dims(f"fully_shard on {module_label(targets[0])}", mesh, dp_mesh_dims)
+        spmd = data_parallel_dims(targets[0], mesh, dp_mesh_dims)
         _check_spmd_resharding(targets[0], reshard_after_forward)
         mesh = spmd.mesh
     _check_offload(targets[0], offload_policy, mesh)
@@ -560,9 +559,7 @@ def fully_shard(
     found = _find_parameters(targets, {id(p) for p in ignored_params or ()}, ignored)
     layouts = _layouts(targets[0], found, mesh, shard_placement_fn, spmd)
     if _has_post_forward_mesh(reshard_after_forward, mesh):  # checked before making its groups
-        check_post_forward(
-            module_label(targets[0]), zip(found, layouts, strict=True), reshard_after_forward
-        )
+        check_post_forward(targets[0], zip(found, layouts, strict=True), reshard_after_forward)
     post_forward = _post_forward_mesh(reshard_after_forward, mesh)
     parameters = [
         ManagedParameter(

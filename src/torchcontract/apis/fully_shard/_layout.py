@@ -29,11 +29,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from torchcontract import AlreadyManagedError, InvalidMeshError
+from torchcontract import AlreadyManagedError, InvalidMeshError, module_label
 
 from .. import _compat, _torch
 
-__all__ = ["Layout", "TensorParallel", "check_post_forward", "layout_of", "local_tensor"]
+__all__ = ["Layout", "TensorParallel", "Where", "check_post_forward", "layout_of", "local_tensor"]
 
 
 @attrs.frozen
@@ -119,11 +119,13 @@ def _placement_of(dim: int, mesh: DeviceMesh, split: int) -> tuple[Placement, ..
     return (shard,) if mesh.ndim == 1 else (Replicate(), shard)
 
 
-def layout_of(label: str, fqn: str, parameter: nn.Parameter, mesh: DeviceMesh, dim: int) -> Layout:
+def layout_of(
+    target: nn.Module | None, fqn: str, parameter: nn.Parameter, mesh: DeviceMesh, dim: int
+) -> Layout:
     """The layout of ``parameter`` (named ``fqn``) sharded on ``dim`` over ``mesh``.
 
-    ``dim`` is already normalized (non-negative, within the tensor's dims). ``label``
-    names the module in errors. Reads only.
+    ``dim`` is already normalized (non-negative, within the tensor's dims). ``target``
+    is the module applied to, named in errors. Reads only.
 
     Raises:
         NotImplementedError: a DTensor parameter with a ``Partial`` placement, or more
@@ -144,7 +146,7 @@ def layout_of(label: str, fqn: str, parameter: nn.Parameter, mesh: DeviceMesh, d
     dtensor = cast(DTensor, parameter)
     tp_mesh = dtensor.device_mesh
     tp_placements = tuple(dtensor.placements)
-    where = f"fully_shard on {label}: parameter {fqn!r}"
+    where = Where(target, fqn)
     if any(isinstance(placement, Partial) for placement in tp_placements):
         raise NotImplementedError(
             f"{where} is a DTensor with a Partial placement {tp_placements}; fully_shard shards "
@@ -178,10 +180,10 @@ def layout_of(label: str, fqn: str, parameter: nn.Parameter, mesh: DeviceMesh, d
     )
 
 
-def _combined(where: str, mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+def _combined(where: Where, mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
     """The ``(dp..., tp...)`` mesh; ``InvalidMeshError`` unless both are named slices of one."""
     try:
-        combined = _compat.concatenate_meshes([mesh, tp_mesh], where)
+        combined = _compat.concatenate_meshes([mesh, tp_mesh], str(where))
     except NotImplementedError:
         raise
     except Exception as error:  # torch's own checks raise assorted types
@@ -210,13 +212,32 @@ def local_tensor(parameter: nn.Parameter) -> Tensor:
     return parameter
 
 
+class Where:
+    """How an error names a parameter (or, without one, the API): built only when formatted.
+
+    A module's label walks its applied trees; built for every parameter, it made
+    each apply cost as much as every application before it.
+    """
+
+    __slots__ = ("fqn", "target")
+
+    def __init__(self, target: nn.Module | None, fqn: str | None = None) -> None:
+        self.target, self.fqn = target, fqn
+
+    def __str__(self) -> str:
+        where = "fully_shard"
+        if self.target is not None:
+            where = f"{where} on {module_label(self.target)}"
+        return where if self.fqn is None else f"{where}: parameter {self.fqn!r}"
+
+
 class _Named(Protocol):
     @property
     def fqn(self) -> str: ...
 
 
 def check_post_forward(
-    label: str, parameters: Iterable[tuple[_Named, Layout]], value: object
+    target: nn.Module, parameters: Iterable[tuple[_Named, Layout]], value: object
 ) -> None:
     """Refuse an int ``reshard_after_forward`` (a post-forward mesh) for a parameter it cannot take.
 
@@ -232,7 +253,7 @@ def check_post_forward(
         if layout.tensor_parallel is not None:
             what = "a tensor-parallel DTensor"
         raise NotImplementedError(
-            f"fully_shard on {label}: reshard_after_forward={value!r} (a post-forward mesh) "
+            f"{Where(target)}: reshard_after_forward={value!r} (a post-forward mesh) "
             f"with parameter {item.fqn!r}, {what}, is not supported (only dim-0 shards of "
             "plain parameters are; FSDP2 refuses DTensor ones too): pass True or False"
         )

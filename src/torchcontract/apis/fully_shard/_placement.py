@@ -13,11 +13,13 @@ from typing import Any, cast
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from torchcontract import module_label
+
 __all__ = ["shard_dim"]
 
 
 def shard_dim(
-    label: str,
+    target: nn.Module,
     fqn: str,
     parameter: nn.Parameter,
     placement_fn: Callable[[nn.Parameter], object] | None,
@@ -25,15 +27,15 @@ def shard_dim(
 ) -> int:
     """The dim ``parameter`` (named ``fqn``) is split on over ``world`` ranks.
 
-    ``label`` names the module in errors. Raises ``TypeError`` for an answer that
+    ``target`` is the module applied to, named in errors. Raises ``TypeError`` for an answer that
     is neither ``None`` nor a ``Shard``; ``ValueError`` for a dim out of the
     parameter's range; ``NotImplementedError`` for a dim other than 0 that
     ``world`` does not divide (as FSDP2).
     """
-    where = f"fully_shard on {label}: shard_placement_fn returned"
     placement = None if placement_fn is None else placement_fn(parameter)
     if placement is None:
         return 0
+    where = f"fully_shard on {module_label(target)}: shard_placement_fn returned"
     if type(placement) is not Shard:
         shown = type(placement).__qualname__
         raise TypeError(

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .. import _compat
-from ._layout import Layout, TensorParallel
+from ._layout import Layout, TensorParallel, Where
 
 __all__ = ["DataParallelDims", "data_parallel_dims", "spmd_layout"]
 
@@ -44,7 +44,7 @@ class DataParallelDims:
     replicate: int | None
 
 
-def _names(value: object, field: str, where: str) -> tuple[str, ...]:
+def _names(value: object, field: str, where: Where) -> tuple[str, ...]:
     if value is None:
         return ()
     if isinstance(value, str):
@@ -54,13 +54,14 @@ def _names(value: object, field: str, where: str) -> tuple[str, ...]:
     raise TypeError(f"{where}: dp_mesh_dims.{field} must be a mesh dim name, a tuple or None")
 
 
-def data_parallel_dims(where: str, mesh: DeviceMesh, dims: object) -> DataParallelDims:
-    """Check ``dims`` against ``mesh``; the data-parallel mesh it names.
+def data_parallel_dims(target: nn.Module, mesh: DeviceMesh, dims: object) -> DataParallelDims:
+    """Check ``dims`` against ``mesh``; the data-parallel mesh it names (``target`` for errors).
 
     Raises ``TypeError`` if ``dims`` is not a ``DataParallelMeshDims`` (or this torch
     has none), ``ValueError`` for a name ``mesh`` lacks or an unnamed mesh, and
     ``NotImplementedError`` for several names in a field or no ``shard``.
     """
+    where = Where(target)
     kind = _compat.DATA_PARALLEL_MESH_DIMS
     if kind is None:
         raise TypeError(
@@ -90,19 +91,19 @@ def data_parallel_dims(where: str, mesh: DeviceMesh, dims: object) -> DataParall
     shard_mesh = mesh[shard[0]]
     if not replicate:
         return DataParallelDims(mesh, shard_mesh, names.index(shard[0]), None)
-    both = _compat.concatenate_meshes([mesh[replicate[0]], shard_mesh], where)
+    both = _compat.concatenate_meshes([mesh[replicate[0]], shard_mesh], str(where))
     return DataParallelDims(mesh, both, names.index(shard[0]), names.index(replicate[0]))
 
 
 def spmd_layout(
-    label: str, fqn: str, parameter: nn.Parameter, dims: DataParallelDims, dim: int
+    target: nn.Module, fqn: str, parameter: nn.Parameter, dims: DataParallelDims, dim: int
 ) -> Layout:
     """The layout of ``parameter``, a DTensor on the SPMD mesh, split on ``dim``.
 
     Raises ``ValueError`` naming ``fqn`` for a plain parameter, one on another mesh,
     or one not ``Replicate()`` on a data-parallel dim (as FSDP2).
     """
-    where = f"fully_shard on {label}: parameter {fqn!r}"
+    where = Where(target, fqn)
     if not isinstance(parameter, DTensor):
         raise ValueError(
             f"{where} is a plain tensor; with dp_mesh_dims every parameter must be a DTensor "
