@@ -17,9 +17,11 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from fully_shard_models import full_gradients, full_parameters, largest_gap
 from tensor_parallel_models import (
     IN,
+    MLP_PLAN,
     dim_1_of_matrices,
     llama_batch,
     llama_loss,
@@ -46,8 +48,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 
-from torchcontract.apis import fully_shard
+from torchcontract.apis import _torch, fully_shard
 from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.testing import run_distributed
 
@@ -172,6 +175,49 @@ def _dim_1(dp_rank: int, mesh: DeviceMesh) -> Results:
     return results
 
 
+def _collectives(dp_rank: int, mesh: DeviceMesh) -> Results:
+    """The all-gathers and reduce-scatters of one step: (kind, group's ranks, elements)."""
+    model = sharded_mlp(fully_shard, mesh["dp"], mesh["tp"])
+    issued: list[tuple[str, list[int], int]] = []
+    patched: Any = _torch
+    originals = (
+        patched.all_gather_into,
+        patched.all_gather_into_async,
+        patched.reduce_scatter_average,
+    )
+
+    def recorder(kind: str, collective: Any) -> Any:
+        def recorded(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> Any:
+            issued.append((kind, dist.get_process_group_ranks(group), input.numel()))
+            return collective(output, input, group)
+
+        return recorded
+
+    patched.all_gather_into = recorder("all_gather", originals[0])
+    patched.all_gather_into_async = recorder("all_gather", originals[1])
+    patched.reduce_scatter_average = recorder("reduce_scatter", originals[2])
+    try:
+        torch.autograd.backward(mlp_loss(model, mlp_batch(dp_rank, 0)))
+    finally:
+        (
+            patched.all_gather_into,
+            patched.all_gather_into_async,
+            patched.reduce_scatter_average,
+        ) = originals
+    # Each block's padded shards, from its TP-local shapes: rows split over 2 dp ranks.
+    tensor_parallel = parallelize_module(mlp_stack()[0], mesh["tp"], MLP_PLAN)
+    block = [
+        -(-parameter.to_local().shape[0] // 2) * parameter.to_local()[0].numel()
+        for parameter in tensor_parallel.parameters()
+        if isinstance(parameter, DTensor)
+    ]
+    return {
+        "issued": issued,
+        "dp_ranks": dist.get_process_group_ranks(mesh["dp"].get_group()),
+        "block_elements": sum(block),
+    }
+
+
 def _state_dicts(model: nn.Module, reference: nn.Module, directory: Path, dp_rank: int) -> Results:
     results: Results = {}
     mine_full = get_model_state_dict(model, options=FULL)
@@ -214,6 +260,7 @@ def _job(rank: int, world_size: int, directory: str) -> Results:
     results["mlp"] = _train([ours, theirs], mlp_loss, mlp_batch, dp_rank, STEPS)
     results["state_dicts"] = _state_dicts(ours, theirs, Path(directory), dp_rank)
     results["one_process_gap"] = _against_one_process(dp_rank, mesh)
+    results["collectives"] = _collectives(dp_rank, mesh)
     results["mixed_precision"] = _mixed_precision(dp_rank, mesh)
     results["dim_1"] = _dim_1(dp_rank, mesh)
     llamas = [
@@ -306,6 +353,20 @@ def test_tp_averages_gradients_over_the_dp_ranks_only(ranks: Ranks) -> None:
     """One process on both dp ranks' inputs computes the same SGD steps."""
     for gap in _each(ranks, "one_process_gap"):
         assert gap <= 1e-5
+
+
+def test_tp_gathers_and_reduces_over_the_dp_ranks_only(ranks: Ranks) -> None:
+    """Per step: each block gathered in forward and backward, reduced once; over dp's 2 ranks."""
+    for results in _each(ranks, "collectives"):
+        issued = results["issued"]
+        assert [kind for kind, _, _ in issued].count("all_gather") == 4
+        assert [kind for kind, _, _ in issued].count("reduce_scatter") == 2
+        assert all(ranks == results["dp_ranks"] for _, ranks, _ in issued)
+        assert len(results["dp_ranks"]) == 2
+        gathered = {elements for kind, _, elements in issued if kind == "all_gather"}
+        assert gathered == {results["block_elements"]}  # this rank's padded shards
+        scattered = {elements for kind, _, elements in issued if kind == "reduce_scatter"}
+        assert scattered == {2 * results["block_elements"]}  # the TP-local gradients, padded
 
 
 def test_tp_mixed_precision_and_prefetch_train_as_torch_fully_shard(ranks: Ranks) -> None:
