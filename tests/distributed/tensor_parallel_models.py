@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -83,6 +84,48 @@ def dim_1_of_matrices(parameter: nn.Parameter) -> Shard | None:
 def mlp_loss(model: nn.Module, x: Tensor) -> Tensor:
     out: Tensor = model(x)
     return out.pow(2).mean()
+
+
+class NormMLP(nn.Module):
+    """A pre-norm MLP on ``(batch, sequence, features)``: the norm under sequence parallelism."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(IN)
+        self.up = nn.Linear(IN, HIDDEN)
+        self.down = nn.Linear(HIDDEN, IN)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = x + self.down(torch.relu(self.up(self.norm(x))))
+        return out
+
+
+#: The norm sequence-parallel (its input and output split on the sequence dim), ``up``
+#: gathering the sequence, ``down`` scattering it again.
+SEQUENCE_PARALLEL_PLAN: dict[str, ParallelStyle] = {
+    "norm": SequenceParallel(),
+    "up": ColwiseParallel(input_layouts=Shard(1)),
+    "down": RowwiseParallel(output_layouts=Shard(1)),
+}
+
+
+def sequence_parallel_mlp(
+    shard: ShardFunction, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh
+) -> nn.Module:
+    """Two ``NormMLP`` blocks: every parameter, the norms' too, a DTensor on ``tp_mesh``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(NormMLP(), NormMLP())
+    for block in model:
+        parallelize_module(block, tp_mesh, SEQUENCE_PARALLEL_PLAN)
+        shard(block, mesh=dp_mesh)
+    shard(model, mesh=dp_mesh)
+    return model
+
+
+def sequence_batch(dp_rank: int, tp_rank: int, step: int) -> Tensor:
+    """Data-parallel rank ``dp_rank``'s ``(2, 4, IN)`` input: TP rank ``tp_rank``'s half of it."""
+    generator = torch.Generator().manual_seed(100 * dp_rank + step)
+    return torch.randn(2, 4, IN, generator=generator).chunk(2, dim=1)[tp_rank]
 
 
 def tiny_llama() -> nn.Module:

@@ -31,6 +31,8 @@ from tensor_parallel_models import (
     mlp_stack,
     norm_value,
     placements,
+    sequence_batch,
+    sequence_parallel_mlp,
     sharded_llama,
     sharded_mlp,
     tensors,
@@ -218,6 +220,24 @@ def _collectives(dp_rank: int, mesh: DeviceMesh) -> Results:
     }
 
 
+def _sequence_parallel(mesh: DeviceMesh) -> Results:
+    """Norms under SequenceParallel: every parameter 2-D, clip_grad_norm_ over all of them."""
+    models = [
+        sequence_parallel_mlp(shard, mesh["dp"], mesh["tp"])
+        for shard in (fully_shard, torch_fully_shard)
+    ]
+    dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    results = _train(
+        models,
+        mlp_loss,
+        lambda rank, step: sequence_batch(rank, tp_rank, step),
+        dp_rank,
+        STEPS,
+    )
+    results["layout"] = (_layout(models[0]), _layout(models[1]))
+    return results
+
+
 def _state_dicts(model: nn.Module, reference: nn.Module, directory: Path, dp_rank: int) -> Results:
     results: Results = {}
     mine_full = get_model_state_dict(model, options=FULL)
@@ -263,6 +283,7 @@ def _job(rank: int, world_size: int, directory: str) -> Results:
     results["collectives"] = _collectives(dp_rank, mesh)
     results["mixed_precision"] = _mixed_precision(dp_rank, mesh)
     results["dim_1"] = _dim_1(dp_rank, mesh)
+    results["sequence_parallel"] = _sequence_parallel(mesh)
     llamas = [
         sharded_llama(shard, mesh["dp"], mesh["tp"]) for shard in (fully_shard, torch_fully_shard)
     ]
@@ -399,6 +420,17 @@ def test_tp_parameters_shard_on_dim_1_as_torch_fully_shard(ranks: Ranks) -> None
         assert "(Shard(dim=1), Shard(dim=0))" in placements  # colwise weight, dp on dim 1
         assert "(_StridedShard(dim=1, sf=2), Shard(dim=1))" in placements  # rowwise weight
         assert all(abs(a - b) <= TOLERANCE for a, b in results["losses"])
+        assert results["parameter_gap"] <= TOLERANCE
+
+
+def test_tp_with_sequence_parallel_norms_trains_as_torch_fully_shard(ranks: Ranks) -> None:
+    for results in _each(ranks, "sequence_parallel"):
+        mine, theirs = results["layout"]
+        assert mine == theirs
+        assert ("0.norm.weight", "(Shard(dim=0), Replicate())", (2, 2), (3,), 12) in mine
+        assert all(abs(a - b) <= TOLERANCE for a, b in results["losses"])
+        assert all(abs(a - b) <= TOLERANCE for a, b in results["norms"])
+        assert results["gradient_gap"] <= TOLERANCE
         assert results["parameter_gap"] <= TOLERANCE
 
 
