@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchcontract import AlreadyManagedError
-from torchcontract.apis import fully_shard
+from torchcontract.apis import _compat, fully_shard
 
 _REPLICATED = [Replicate(), Replicate()]
 
@@ -155,3 +155,11 @@ def test_dp_mesh_dims_refuses_a_parameter_sharded_on_a_data_parallel_dim(
     linear.weight = nn.Parameter(sharded)
     with pytest.raises(ValueError, match=r"'0.weight' is Shard\(dim=0\) on data-parallel mesh"):
         fully_shard(nn.Sequential(linear), mesh=mesh, dp_mesh_dims=DataParallelMeshDims("dp"))
+
+
+def test_dp_mesh_dims_where_torch_has_none_is_a_type_error(
+    mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_compat, "DATA_PARALLEL_MESH_DIMS", None)
+    with pytest.raises(TypeError, match=r"dp_mesh_dims needs torch.distributed.fsdp.DataPar"):
+        fully_shard(nn.Linear(4, 8), mesh=mesh, dp_mesh_dims=DataParallelMeshDims("dp"))

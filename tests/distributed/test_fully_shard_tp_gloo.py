@@ -220,6 +220,23 @@ def _collectives(dp_rank: int, mesh: DeviceMesh) -> Results:
     }
 
 
+def _accumulated(dp_rank: int, mesh: DeviceMesh) -> float:
+    """Two micro-batches, the first without gradient sync (bf16 parameters, fp32 reduction)."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    models = [
+        sharded_mlp(shard, mesh["dp"], mesh["tp"], mp_policy=policy)
+        for shard in (fully_shard, torch_fully_shard)
+    ]
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in models]
+    for model, optimizer in zip(models, optimizers, strict=True):
+        assert isinstance(model, FSDPModule)
+        for step, sync in ((0, False), (1, True)):
+            model.set_requires_gradient_sync(sync)
+            torch.autograd.backward(mlp_loss(model, mlp_batch(dp_rank, step)))
+        optimizer.step()
+    return largest_gap(full_parameters(models[0]), full_parameters(models[1]))
+
+
 def _sequence_parallel(mesh: DeviceMesh) -> Results:
     """Norms under SequenceParallel: every parameter 2-D, clip_grad_norm_ over all of them."""
     models = [
@@ -283,6 +300,7 @@ def _job(rank: int, world_size: int, directory: str) -> Results:
     results["collectives"] = _collectives(dp_rank, mesh)
     results["mixed_precision"] = _mixed_precision(dp_rank, mesh)
     results["dim_1"] = _dim_1(dp_rank, mesh)
+    results["accumulated"] = _accumulated(dp_rank, mesh)
     results["sequence_parallel"] = _sequence_parallel(mesh)
     llamas = [
         sharded_llama(shard, mesh["dp"], mesh["tp"]) for shard in (fully_shard, torch_fully_shard)
@@ -421,6 +439,11 @@ def test_tp_parameters_shard_on_dim_1_as_torch_fully_shard(ranks: Ranks) -> None
         assert "(_StridedShard(dim=1, sf=2), Shard(dim=1))" in placements  # rowwise weight
         assert all(abs(a - b) <= TOLERANCE for a, b in results["losses"])
         assert results["parameter_gap"] <= TOLERANCE
+
+
+def test_tp_gradients_accumulate_without_sync_as_torch_fully_shard(ranks: Ranks) -> None:
+    for gap in _each(ranks, "accumulated"):
+        assert gap <= TOLERANCE
 
 
 def test_tp_with_sequence_parallel_norms_trains_as_torch_fully_shard(ranks: Ranks) -> None:
