@@ -48,10 +48,13 @@ def placements(mesh: DeviceMesh) -> tuple[Placement, ...]:
 
 
 class ManagedParameter:
-    """A parameter sharded on dim 0 over a mesh's last dim, and its unsharded form when gathered.
+    """A parameter sharded over a mesh's last dim, and its unsharded form when gathered.
 
     On a 2-D ``(replicate, shard)`` mesh (HSDP) every replica holds the same shards:
-    the rows are split over the inner dim only.
+    the rows are split over the inner dim only. ``layout`` (default: the parameter
+    as it is, on dim 0) says which tensor is split on which dim and what DTensors
+    the shard and the unsharded parameter are; ``shape`` is that tensor's (the
+    TP-local one under tensor parallelism), ``layout.shape`` the parameter's.
     """
 
     def __init__(
