@@ -2,7 +2,7 @@
 
 ``parallelize_module`` on ``mesh["tp"]``, then ``fully_shard`` on
 ``mesh["replicate", "shard"]``, ours and FSDP2's side by side: placements and bytes,
-AdamW steps, ``clip_grad_norm_`` and the sharded state dict. Eight processes on a
+AdamW steps, ``clip_grad_norm_``, the sharded state dict and a DCP round trip. Eight processes on a
 shared machine take a while: marked ``slow`` (``-m "not slow"`` leaves it out).
 """
 
@@ -22,7 +22,9 @@ from tensor_parallel_models import (
     two_dimensional,
 )
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
@@ -54,7 +56,7 @@ def _layout(model: nn.Module) -> list[tuple[str, str, tuple[int, ...], tuple[int
     return found
 
 
-def _job(rank: int, world_size: int) -> Results:
+def _job(rank: int, world_size: int, directory: str) -> Results:
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
     dp_rank = rank // 2  # tp is the innermost dim
     models = [
@@ -82,12 +84,22 @@ def _job(rank: int, world_size: int) -> Results:
     results["parameter_gap"] = largest_gap(full_parameters(models[0]), full_parameters(models[1]))
     mine, theirs = (get_model_state_dict(model) for model in models)
     results["state_dict"] = (placements(mine), placements(theirs))
+    saved = full_parameters(models[0])
+    dcp_save(mine, checkpoint_id=directory)
+    with torch.no_grad():
+        for parameter in models[0].parameters():
+            parameter.add_(1.0)
+    loaded = get_model_state_dict(models[0])
+    dcp_load(loaded, checkpoint_id=directory)
+    set_model_state_dict(models[0], loaded)
+    results["dcp_gap"] = largest_gap(full_parameters(models[0]), saved)
     return results
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[Results]:
-    return run_distributed(_job, 8, timeout=300.0)
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[Results]:
+    directory = str(tmp_path_factory.mktemp("hsdp_tp_checkpoint"))
+    return run_distributed(_job, 8, timeout=300.0, args=(directory,))
 
 
 def test_hsdp_tp_parameters_get_torch_fully_shard_placements(ranks: list[Results]) -> None:
@@ -114,3 +126,8 @@ def test_hsdp_tp_sharded_state_dict_has_torch_fully_shard_placements(
     for results in ranks:
         mine, theirs = results["state_dict"]
         assert mine == theirs
+
+
+def test_hsdp_tp_checkpoint_round_trips_through_dcp(ranks: list[Results]) -> None:
+    for results in ranks:
+        assert results["dcp_gap"] == 0.0
