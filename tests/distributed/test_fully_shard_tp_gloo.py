@@ -21,6 +21,7 @@ import torch.distributed as dist
 from fully_shard_models import full_gradients, full_parameters, largest_gap
 from tensor_parallel_models import (
     IN,
+    MLP,
     MLP_PLAN,
     dim_1_of_matrices,
     llama_batch,
@@ -238,6 +239,41 @@ def _accumulated(dp_rank: int, mesh: DeviceMesh) -> float:
     return largest_gap(full_parameters(models[0]), full_parameters(models[1]))
 
 
+def _on_meta(shard: Any, mesh: DeviceMesh) -> nn.Module:
+    """The MLP stack built on meta, parallelized and sharded there, then materialized."""
+    with torch.device("meta"):
+        model = nn.Sequential(MLP(), MLP())
+    for block in model:
+        parallelize_module(block, mesh["tp"], MLP_PLAN)
+        shard(block, mesh=mesh["dp"])
+    shard(model, mesh=mesh["dp"])
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.1)
+    return model
+
+
+def _meta_then_cast(dp_rank: int, mesh: DeviceMesh) -> Results:
+    """Built on meta, initialized as DTensors, cast to float64, trained: against FSDP2."""
+    models = [_on_meta(shard, mesh) for shard in (fully_shard, torch_fully_shard)]
+    results: Results = {
+        "init_gap": largest_gap(full_parameters(models[0]), full_parameters(models[1]))
+    }
+    for model in models:
+        model.to(torch.float64)
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in models]
+    for step in range(2):
+        for model, optimizer in zip(models, optimizers, strict=True):
+            torch.autograd.backward(mlp_loss(model, mlp_batch(dp_rank, step).double()))
+            optimizer.step()
+            optimizer.zero_grad()
+    results["dtypes"] = {parameter.dtype for parameter in models[0].parameters()}
+    results["parameter_gap"] = largest_gap(full_parameters(models[0]), full_parameters(models[1]))
+    return results
+
+
 def _sequence_parallel(mesh: DeviceMesh) -> Results:
     """Norms under SequenceParallel: every parameter 2-D, clip_grad_norm_ over all of them."""
     models = [
@@ -317,6 +353,7 @@ def _job(rank: int, world_size: int, directory: str) -> Results:
     results["mixed_precision"] = _mixed_precision(dp_rank, mesh)
     results["dim_1"] = _dim_1(dp_rank, mesh)
     results["accumulated"] = _accumulated(dp_rank, mesh)
+    results["meta_then_cast"] = _meta_then_cast(dp_rank, mesh)
     results["sequence_parallel"] = _sequence_parallel(mesh)
     llamas = [
         sharded_llama(shard, mesh["dp"], mesh["tp"]) for shard in (fully_shard, torch_fully_shard)
@@ -461,6 +498,13 @@ def test_tp_parameters_shard_on_dim_1_as_torch_fully_shard(ranks: Ranks) -> None
 def test_tp_gradients_accumulate_without_sync_as_torch_fully_shard(ranks: Ranks) -> None:
     for gap in _each(ranks, "accumulated"):
         assert gap <= TOLERANCE
+
+
+def test_tp_parameters_built_on_meta_and_cast_train_as_torch_fully_shard(ranks: Ranks) -> None:
+    for results in _each(ranks, "meta_then_cast"):
+        assert results["init_gap"] == 0.0
+        assert results["dtypes"] == {torch.float64}
+        assert results["parameter_gap"] <= TOLERANCE
 
 
 def test_tp_with_sequence_parallel_norms_trains_as_torch_fully_shard(ranks: Ranks) -> None:
