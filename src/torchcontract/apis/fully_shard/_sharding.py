@@ -31,20 +31,14 @@ from torch import Tensor, nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
 
 from .. import _torch
 from ._layout import Layout, layout_of, local_tensor
 
-__all__ = ["Location", "ManagedParameter", "as_dtensor", "placements"]
+__all__ = ["Location", "ManagedParameter", "as_dtensor"]
 
 #: Where a parameter is registered: a module (weakly) and the name in its ``_parameters``.
 Location = tuple["weakref.ref[nn.Module]", str]
-
-
-def placements(mesh: DeviceMesh) -> tuple[Placement, ...]:
-    """FSDP2's placements: ``(Shard(0),)`` on a 1-D mesh, ``(Replicate(), Shard(0))`` for HSDP."""
-    return (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
 
 
 class ManagedParameter:
