@@ -163,3 +163,12 @@ def test_dp_mesh_dims_where_torch_has_none_is_a_type_error(
     monkeypatch.setattr(_compat, "DATA_PARALLEL_MESH_DIMS", None)
     with pytest.raises(TypeError, match=r"dp_mesh_dims needs torch.distributed.fsdp.DataPar"):
         fully_shard(nn.Linear(4, 8), mesh=mesh, dp_mesh_dims=DataParallelMeshDims("dp"))
+
+
+def test_dp_mesh_dims_refuses_shard_dims_apart_and_replicate_alone(mesh: DeviceMesh) -> None:
+    """Flattening takes adjacent dims; replicate alone is FSDP2's DDP mode, not taken."""
+    cube = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("a", "tp", "b"))
+    with pytest.raises(NotImplementedError, match=r"shard=\('a', 'b'\) is not supported"):
+        fully_shard(nn.Linear(4, 8), mesh=cube, dp_mesh_dims=DataParallelMeshDims(("a", "b")))
+    with pytest.raises(NotImplementedError, match=r"shard=\(\) is not supported"):
+        fully_shard(nn.Linear(4, 8), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))

@@ -8,6 +8,7 @@ placements and bytes, losses and parameters after AdamW steps, and a DCP round t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -44,18 +45,20 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _model(torch_api: bool, mesh: DeviceMesh) -> nn.Module:
+def _model(torch_api: bool, mesh: DeviceMesh, flat: bool = False) -> nn.Module:
+    """The MLP stack on ``mesh``: split on ``tp``, or with ``flat`` replicated on both dims."""
     from torch.distributed.fsdp import DataParallelMeshDims
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     shard: Any = torch_fully_shard if torch_api else fully_shard
-    dims = DataParallelMeshDims(shard="dp")
+    dims = DataParallelMeshDims(shard=("dp", "tp") if flat else "dp")
     model = mlp_stack(FEATURES, HIDDEN)
     for block in model:
         for name, placement in ON_TP.items():
             owner, attribute = name.split(".")
             tensor = block.get_submodule(owner).get_parameter(attribute).detach()
-            distributed = distribute_tensor(tensor, mesh, [Replicate(), placement])
+            second = Replicate() if flat else placement
+            distributed = distribute_tensor(tensor, mesh, [Replicate(), second])
             setattr(block.get_submodule(owner), attribute, nn.Parameter(distributed))
         shard(block, mesh=mesh, dp_mesh_dims=dims)
     shard(model, mesh=mesh, dp_mesh_dims=dims)
@@ -69,16 +72,22 @@ def _loss(model: nn.Module, x: Tensor) -> DTensor:
     return loss
 
 
-def _job(rank: int, world_size: int, directory: str) -> Results:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    models = [_model(False, mesh), _model(True, mesh)]
+def _flattened(mesh: DeviceMesh) -> Results:
+    """``shard=("dp", "tp")``: both dims flattened into one of 4 ranks, as FSDP2 does."""
+    models = [_model(False, mesh, flat=True), _model(True, mesh, flat=True)]
+    results = _train(models, mesh)
+    results["meshes"] = [
+        {(p.device_mesh.mesh_dim_names, str(p.placements)) for p in _dtensors(model)}
+        for model in models
+    ]
+    return results
+
+
+def _train(models: Sequence[nn.Module], mesh: DeviceMesh) -> Results:
+    """Placements, local shapes, AdamW steps on inputs sharded on ``dp``: both models."""
     results: Results = {
         "layout": [
-            [
-                (str(p.placements), tuple(p.to_local().shape))
-                for p in model.parameters()
-                if isinstance(p, DTensor)
-            ]
+            [(str(p.placements), tuple(p.to_local().shape)) for p in _dtensors(model)]
             for model in models
         ],
         "losses": [],
@@ -95,6 +104,21 @@ def _job(rank: int, world_size: int, directory: str) -> Results:
             optimizer.step()
             optimizer.zero_grad()
     results["parameter_gap"] = largest_gap(full_parameters(models[0]), full_parameters(models[1]))
+    return results
+
+
+def _dtensors(model: nn.Module) -> list[DTensor]:
+    found: list[DTensor] = []
+    for name, parameter in model.named_parameters():
+        assert isinstance(parameter, DTensor), name
+        found.append(parameter)
+    return found
+
+
+def _job(rank: int, world_size: int, directory: str) -> Results:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    models = [_model(False, mesh), _model(True, mesh)]
+    results = _train(models, mesh)
     ours = models[0]
     saved = full_parameters(ours)
     dcp_save(get_model_state_dict(ours), checkpoint_id=directory)
@@ -105,6 +129,7 @@ def _job(rank: int, world_size: int, directory: str) -> Results:
     dcp_load(state, checkpoint_id=directory)
     set_model_state_dict(ours, state)
     results["dcp_gap"] = largest_gap(full_parameters(ours), saved)
+    results["flattened"] = _flattened(mesh)
     return results
 
 
@@ -134,3 +159,16 @@ def test_dp_mesh_dims_trains_as_torch_fully_shard_with_adamw(ranks: list[Results
 def test_dp_mesh_dims_checkpoint_round_trips_through_dcp(ranks: list[Results]) -> None:
     for results in ranks:
         assert results["dcp_gap"] == 0.0
+
+
+def test_dp_mesh_dims_flattens_several_shard_dims_as_torch_fully_shard(
+    ranks: list[Results],
+) -> None:
+    for results in ranks:
+        flattened = results["flattened"]
+        mine, theirs = flattened["layout"]
+        assert mine == theirs
+        assert {placements for placements, _ in mine} == {"(Shard(dim=0),)"}
+        assert flattened["meshes"][0] == flattened["meshes"][1]
+        assert all(abs(a - b) <= TOLERANCE for a, b in flattened["losses"])
+        assert flattened["parameter_gap"] <= TOLERANCE

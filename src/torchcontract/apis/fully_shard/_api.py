@@ -512,7 +512,8 @@ def fully_shard(
         ignored_params: Parameters left as they are, neither sharded nor managed.
         dp_mesh_dims: torch's ``DataParallelMeshDims``: ``mesh`` is the full
             mesh, every parameter a DTensor on it, ``Replicate()`` on the named
-            data-parallel dims (one shard dim, at most one replicate dim).
+            data-parallel dims (several names of a field flattened into one dim;
+            ``shard`` required, its dims adjacent).
 
     Returns:
         ``module`` itself (the contract returns what it was given), typed as given.

@@ -10,8 +10,9 @@ placements with the shard dim's ``Replicate()`` replaced by ``Shard(d)``
 parameter is the original DTensor again. Gradients keep what their data-parallel
 dims hold (FSDP2 leaves a ``Partial`` there for the reduce-scatter).
 
-Only one name per field is taken (FSDP2 flattens several into one dim), and
-``shard`` must be given (``replicate`` alone is FSDP2's DDP mode).
+Several names in a field are flattened into one dim (new process groups), as
+FSDP2 does; shard names must be adjacent mesh dims, and ``shard`` must be given
+(``replicate`` alone is FSDP2's DDP mode, not taken).
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ class DataParallelDims:
     """The data-parallel dims of an SPMD mesh: the mesh collectives run on, and their indices.
 
     ``mesh`` is 1-D (the shard dim) or 2-D ``(replicate, shard)``, as the mesh
-    ``fully_shard`` takes without ``dp_mesh_dims``.
+    ``fully_shard`` takes without ``dp_mesh_dims``; several names of one field are
+    flattened into one of its dims, as FSDP2 does.
     """
 
     spmd_mesh: DeviceMesh
     mesh: DeviceMesh
-    shard: int
-    replicate: int | None
+    shard: tuple[int, ...]
+    replicate: tuple[int, ...]
 
 
 def _names(value: object, field: str, where: Where) -> tuple[str, ...]:
@@ -59,7 +61,7 @@ def data_parallel_dims(target: nn.Module, mesh: DeviceMesh, dims: object) -> Dat
 
     Raises ``TypeError`` if ``dims`` is not a ``DataParallelMeshDims`` (or this torch
     has none), ``ValueError`` for a name ``mesh`` lacks or an unnamed mesh, and
-    ``NotImplementedError`` for several names in a field or no ``shard``.
+    ``NotImplementedError`` for shard dims that are not adjacent, or no ``shard``.
     """
     where = Where(target)
     kind = _compat.DATA_PARALLEL_MESH_DIMS
@@ -83,16 +85,26 @@ def data_parallel_dims(target: nn.Module, mesh: DeviceMesh, dims: object) -> Dat
             raise ValueError(
                 f"{where}: dp_mesh_dims names {name!r}, which is not a dim of the mesh {names}"
             )
-    if len(shard) != 1 or len(replicate) > 1:
+    indices = [names.index(name) for name in shard]
+    if not shard or indices != list(range(indices[0], indices[0] + len(indices))):
         raise NotImplementedError(
-            f"{where}: dp_mesh_dims with shard={shard} and replicate={replicate} is not "
-            "supported: name one shard dim, and at most one replicate dim"
+            f"{where}: dp_mesh_dims with shard={shard} is not supported: name the shard dim(s), "
+            "adjacent in the mesh (replicate alone, FSDP2's DDP mode, is not supported)"
         )
-    shard_mesh = mesh[shard[0]]
+    shard_mesh = _flat(mesh, shard)
+    spmd_shard = tuple(indices)
+    spmd_replicate = tuple(names.index(name) for name in replicate)
     if not replicate:
-        return DataParallelDims(mesh, shard_mesh, names.index(shard[0]), None)
-    both = _compat.concatenate_meshes([mesh[replicate[0]], shard_mesh], str(where))
-    return DataParallelDims(mesh, both, names.index(shard[0]), names.index(replicate[0]))
+        return DataParallelDims(mesh, shard_mesh, spmd_shard, ())
+    both = _compat.concatenate_meshes([_flat(mesh, replicate), shard_mesh], str(where))
+    return DataParallelDims(mesh, both, spmd_shard, spmd_replicate)
+
+
+def _flat(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """The 1-D mesh of ``names``: one dim as it is, several flattened (new process groups)."""
+    if len(names) == 1:
+        return mesh[names[0]]
+    return mesh[names]._flatten("_".join(names))
 
 
 def spmd_layout(
@@ -113,23 +125,25 @@ def spmd_layout(
     if dtensor.device_mesh != dims.spmd_mesh:
         raise ValueError(f"{where} is a DTensor on another mesh than the one passed as mesh=")
     placements = list(dtensor.placements)
-    data_parallel = [dims.shard] if dims.replicate is None else [dims.replicate, dims.shard]
+    data_parallel = [*dims.replicate, *dims.shard]
     for index in data_parallel:
         if not isinstance(placements[index], Replicate):
             raise ValueError(
                 f"{where} is {placements[index]!r} on data-parallel mesh dim {index}; with "
                 "dp_mesh_dims it must be Replicate() there"
             )
-    split = 1
-    for index in range(dims.shard + 1, dims.spmd_mesh.ndim):
-        later = placements[index]
-        if isinstance(later, Shard | _StridedShard) and cast(Any, later).dim == dim:
-            split *= dims.spmd_mesh.size(index)
     sharded: list[Placement] = list(placements)
-    sharded[dims.shard] = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+    for shard in dims.shard:
+        split = 1
+        for index in range(shard + 1, dims.spmd_mesh.ndim):
+            later = placements[index]
+            if isinstance(later, Shard | _StridedShard) and cast(Any, later).dim == dim:
+                split *= dims.spmd_mesh.size(index)
+        sharded[shard] = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+    mesh, sharded = _flattened(where, dims, sharded)
     return Layout(
         dim=dim,
-        mesh=dims.spmd_mesh,
+        mesh=mesh,
         placements=tuple(sharded),
         local_shape=dtensor.to_local().shape,
         shape=dtensor.shape,
@@ -138,3 +152,29 @@ def spmd_layout(
             dims.spmd_mesh, tuple(placements), keep=frozenset(data_parallel)
         ),
     )
+
+
+def _flattened(
+    where: Where, dims: DataParallelDims, placements: list[Placement]
+) -> tuple[DeviceMesh, list[Placement]]:
+    """The sharded DTensor's mesh and placements, as FSDP2's ``_build_spmd_sharding_spec``.
+
+    One shard dim: the SPMD mesh itself. Several: they become one dim, the
+    data-parallel mesh (with its replicate dim before it, for HSDP) where the first
+    of them was; the replicate dims move there too; the other dims stay.
+    """
+    if len(dims.shard) == 1:
+        return dims.spmd_mesh, placements
+    meshes: list[DeviceMesh] = []
+    found: list[Placement] = []
+    names = dims.spmd_mesh.mesh_dim_names or ()
+    for index, name in enumerate(names):
+        if index == dims.shard[0]:
+            meshes.append(dims.mesh)
+            if dims.replicate:
+                found.append(Replicate())
+            found.append(placements[index])
+        elif index not in dims.shard and index not in dims.replicate:
+            meshes.append(dims.spmd_mesh[name])
+            found.append(placements[index])
+    return _compat.concatenate_meshes(meshes, str(where)), found
