@@ -357,14 +357,36 @@ def test_placements_on_dim_0_shard_as_the_default(
     )
 
 
-def test_a_placement_on_another_dim_is_refused_naming_the_parameter(mesh: DeviceMesh) -> None:
-    def by_dim(parameter: nn.Parameter) -> Shard | None:
-        return Shard(1) if parameter.dim() == 2 else None
+def _dim_1_of_matrices(parameter: nn.Parameter) -> Shard | None:
+    return Shard(1) if parameter.dim() == 2 else None
 
+
+def test_a_placement_on_dim_1_shards_the_matrices_on_dim_1(mesh: DeviceMesh) -> None:
+    model = fully_shard(Net(), mesh=mesh, shard_placement_fn=_dim_1_of_matrices)
+    first = model.first.weight
+    assert isinstance(first, DTensor)
+    assert first.placements == (Shard(1),)
+    assert first.to_local().shape == (6, 2)
+    assert first.shape == (6, 4)
+    bias = model.first.bias
+    assert isinstance(bias, DTensor)
+    assert bias.placements == (Shard(0),)
+
+
+def test_a_placement_out_of_range_is_refused_naming_the_parameter(mesh: DeviceMesh) -> None:
     model = Net()
-    with pytest.raises(NotImplementedError, match=r"Shard\(1\) for parameter 'first.weight'"):
-        fully_shard(model, mesh=mesh, shard_placement_fn=by_dim)
+    with pytest.raises(ValueError, match=r"Shard\(2\) for parameter 'first.weight' of 2 dims"):
+        fully_shard(model, mesh=mesh, shard_placement_fn=lambda parameter: Shard(2))
     assert type(model) is Net
+    assert not any(isinstance(parameter, DTensor) for parameter in model.parameters())
+
+
+def test_an_uneven_placement_on_another_dim_than_0_is_refused(mesh: DeviceMesh) -> None:
+    """As FSDP2: only dim 0 is padded; dim 1 of 3 does not split over 2 ranks."""
+    model = nn.Sequential(nn.Linear(3, 4))
+    with pytest.raises(NotImplementedError, match=r"parameter '0.weight', whose dim 1 of size 3"):
+        fully_shard(model, mesh=mesh, shard_placement_fn=_dim_1_of_matrices)
+    assert type(model) is nn.Sequential
     assert not any(isinstance(parameter, DTensor) for parameter in model.parameters())
 
 
@@ -373,6 +395,6 @@ def test_a_placement_that_is_not_a_shard_is_refused(mesh: DeviceMesh) -> None:
         fully_shard(Net(), mesh=mesh, shard_placement_fn=lambda parameter: Replicate())  # type: ignore[arg-type,return-value]
 
 
-def test_dp_mesh_dims_is_refused(mesh: DeviceMesh) -> None:
-    with pytest.raises(NotImplementedError, match=r"dp_mesh_dims .* is not supported"):
+def test_dp_mesh_dims_of_another_type_is_refused(mesh: DeviceMesh) -> None:
+    with pytest.raises(TypeError, match=r"dp_mesh_dims must be a torch.distributed.fsdp.Data"):
         fully_shard(Net(), mesh=mesh, dp_mesh_dims=object())  # type: ignore[call-overload]

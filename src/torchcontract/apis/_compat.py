@@ -14,15 +14,19 @@ from typing import Any, Final, cast
 
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp._fully_shard import _fully_shard
 from torch.utils import checkpoint as torch_checkpoint
 
 __all__ = [
+    "DATA_PARALLEL_MESH_DIMS",
     "OLDEST_TESTED",
     "REFERENCE_FULLY_SHARD_ON_CPU",
     "TORCH_VERSION",
     "all_gather_single",
     "checkpoint_generator",
+    "concatenate_meshes",
     "fsdp_module_new_runs_init",
     "reduce_scatter_single",
 ]
@@ -88,3 +92,30 @@ def fsdp_module_new_runs_init() -> bool:
     """
     enabled: object = getattr(_fully_shard, "_enable_fsdp_module_new_init", True)
     return enabled is not False
+
+
+# DeviceMesh._concatenate (2.13 has it; detected, not assumed), with which FSDP2 puts a
+# data-parallel mesh and a tensor-parallel one side by side.
+_concatenate: Final = cast(
+    Callable[[list[DeviceMesh]], DeviceMesh] | None, getattr(DeviceMesh, "_concatenate", None)
+)
+
+
+def concatenate_meshes(meshes: list[DeviceMesh], where: str) -> DeviceMesh:
+    """The mesh whose dims are those of ``meshes`` in order, slices of one root mesh.
+
+    Raises ``NotImplementedError`` naming ``where`` on a torch that cannot make it.
+    """
+    if _concatenate is None:
+        raise NotImplementedError(
+            f"{where} is a tensor-parallel DTensor; sharding it needs "
+            f"DeviceMesh._concatenate, which torch {torch.__version__} lacks: use a newer torch"
+        )
+    return _concatenate(meshes)
+
+
+#: torch's ``DataParallelMeshDims`` (``fully_shard``'s ``dp_mesh_dims``), or None where this
+#: torch's FSDP2 has none.
+DATA_PARALLEL_MESH_DIMS: Final = cast(
+    type | None, getattr(torch.distributed.fsdp, "DataParallelMeshDims", None)
+)

@@ -1,8 +1,9 @@
-"""fully_shard(): shard a module's parameters over a 1-D mesh, as PyTorch's FSDP2 does.
+"""fully_shard(): shard a module's parameters over a data-parallel mesh, as PyTorch's FSDP2 does.
 
 Apply validates everything first (mesh, every parameter), then shards: each
 managed parameter is replaced, under each of its names, by an ``nn.Parameter``
-holding a ``DTensor`` sharded on dim 0; the hooks of ``_hooks`` gather and free
+holding a ``DTensor`` sharded on one dim (its ``Layout``, tensor parallelism's
+DTensors included); the hooks of ``_hooks`` gather and free
 the parameters around forward and backward. If the enclosing apply rolls back,
 an undo step puts the original parameters back and removes the hooks.
 """
@@ -29,7 +30,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     UnshardHandle,
 )
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 from torch.utils.hooks import RemovableHandle
 
 import torchcontract
@@ -52,9 +53,12 @@ from .. import _torch
 from ..replicate import replicate
 from ._group import ALL_GROUPS, ParamGroup
 from ._hooks import ForwardHooks
+from ._layout import Layout, check_post_forward, layout_of
 from ._managed import MANAGED
 from ._module import fully_shard_class, restore_class, unshard_group
+from ._placement import shard_dim
 from ._sharding import Location, ManagedParameter
+from ._spmd import DataParallelDims, data_parallel_dims, spmd_layout
 from ._state import FullyShardState
 from ._state_dict import register_state_dict_hooks
 
@@ -111,7 +115,6 @@ def _check_arguments(
     offload_policy: object,
     shard_placement_fn: object,
     ignored_params: object,
-    dp_mesh_dims: object,
 ) -> None:
     """Raise ``TypeError`` naming the argument for one of a wrong type, before anything else."""
     if mesh is not None and not isinstance(mesh, DeviceMesh):
@@ -155,19 +158,13 @@ def _check_arguments(
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(
             f"fully_shard on {_label(target)}: shard_placement_fn must be callable or None, got "
-            f"{_shown(shard_placement_fn)}; pass a function of a parameter returning Shard(0) "
+            f"{_shown(shard_placement_fn)}; pass a function of a parameter returning Shard(dim) "
             "or None"
         )
     if ignored_params is not None and not _is_parameter_set(ignored_params):
         raise TypeError(
             f"fully_shard on {_label(target)}: ignored_params must be a set of nn.Parameter or "
             f"None, got {_shown(ignored_params)}; pass e.g. ignored_params={{model.head.weight}}"
-        )
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            f"fully_shard on {_label(target)}: dp_mesh_dims (parameters already DTensors on a "
-            "full SPMD mesh) is not supported; pass a data-parallel mesh as mesh= and plain "
-            "parameters"
         )
 
 
@@ -193,31 +190,34 @@ def _check_offload(target: nn.Module, policy: OffloadPolicy, mesh: DeviceMesh) -
         )
 
 
-def _check_placements(
-    target: nn.Module, found: Sequence[_Found], placement_fn: Callable[[nn.Parameter], object]
-) -> None:
-    """Ask ``placement_fn`` each parameter's placement; refuse anything but dim 0.
+def _layouts(
+    target: nn.Module,
+    found: Sequence[_Found],
+    mesh: DeviceMesh,
+    placement_fn: Callable[[nn.Parameter], object] | None,
+    spmd: DataParallelDims | None,
+) -> list[Layout]:
+    """Each parameter's layout: its dim from ``placement_fn``, TP's DTensor if it is one.
 
-    ``None`` and ``Shard(0)`` (or ``Shard(-ndim)``) are dim 0. Another dim raises
-    ``NotImplementedError``, any other value ``TypeError``.
+    With ``spmd`` (``dp_mesh_dims``), each a DTensor on the full mesh.
     """
+    world = mesh.size(mesh.ndim - 1)
+    layouts: list[Layout] = []
     for item in found:
-        placement = placement_fn(item.parameter)
-        if placement is None:
-            continue
-        if type(placement) is Shard:
-            given: int = cast(Any, placement).dim  # Shard.dim is untyped for pyright
-            if (given + item.parameter.dim() if given < 0 else given) == 0:
-                continue
-            raise NotImplementedError(
-                f"fully_shard on {module_label(target)}: shard_placement_fn returned "
-                f"Shard({given}) for parameter {item.fqn!r}; only dim 0 is supported "
-                "(sharding on another dim is not implemented): return Shard(0) or None"
-            )
-        raise TypeError(
-            f"fully_shard on {module_label(target)}: shard_placement_fn returned "
-            f"{_shown(placement)} for parameter {item.fqn!r}; return Shard(0) or None (a "
-            "ShardPlacementResult with its own mesh is not supported)"
+        dim = shard_dim(target, item.fqn, item.parameter, placement_fn, world)
+        if spmd is None:
+            layouts.append(layout_of(target, item.fqn, item.parameter, mesh, dim))
+        else:
+            layouts.append(spmd_layout(target, item.fqn, item.parameter, spmd, dim))
+    return layouts
+
+
+def _check_spmd_resharding(target: nn.Module, value: bool | int | None) -> None:
+    """As FSDP2: an int ``reshard_after_forward`` is refused with ``dp_mesh_dims``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        raise NotImplementedError(
+            f"fully_shard on {module_label(target)}: reshard_after_forward={value} (an int) "
+            "with dp_mesh_dims is not supported, as in FSDP2; pass True or False"
         )
 
 
@@ -271,6 +271,13 @@ def _post_forward_mesh(value: bool | int | None, mesh: DeviceMesh) -> DeviceMesh
     return DeviceMesh(mesh.device_type, mesh.mesh.view(-1, value))
 
 
+def _has_post_forward_mesh(value: bool | int | None, mesh: DeviceMesh) -> bool:
+    """Whether ``value`` is an int strictly between 1 and the shard dim's size."""
+    if value is None or isinstance(value, bool):
+        return False
+    return value not in (1, mesh.size(mesh.ndim - 1))
+
+
 def _caller_level() -> int:
     """The ``stacklevel`` that points a warning at the first caller outside this package."""
     package = str(Path(torchcontract.__file__).parent)
@@ -288,7 +295,7 @@ def _find_parameters(
 
     Raises ``AlreadyManagedError`` for a parameter another application manages
     (one not nested in the targets, or a nested one that does not reach every
-    module sharing the parameter) or that is already a DTensor; ``ContractError``
+    module sharing the parameter); ``ContractError``
     for a 0-d one. Parameters whose ids are in ``ignored`` are left out, their first FQNs appended
     to ``skipped``. Reads only: nothing is changed. One index lookup per parameter,
     and error text only for an error: the cost is linear in the targets' modules
@@ -330,12 +337,6 @@ def _find_parameters(
                             "first, then to the outer"
                         )
                     continue  # a nested application manages it
-                if isinstance(parameter, DTensor):
-                    raise AlreadyManagedError(
-                        f"{_where(target, prefix, name)} is already a DTensor; fully_shard shards "
-                        "plain tensors only (no tensor parallelism yet): pass a module with "
-                        "regular parameters"
-                    )
                 if parameter.dim() == 0:
                     raise ContractError(
                         f"{_where(target, prefix, name)} is a scalar (0-d), which cannot be "
@@ -478,7 +479,10 @@ def fully_shard(
     parameter under the module(s) that no earlier, nested ``fully_shard`` manages
     and that is not in ``ignored_params`` becomes an ``nn.Parameter`` holding a
     ``DTensor`` sharded on dim 0 (``Shard(0)``, padded where dim 0 does not
-    divide), under the same FQNs. Each module (each outer one of a list) becomes
+    divide; another dim with ``shard_placement_fn``), under the same FQNs. A
+    parameter that tensor parallelism made a ``DTensor`` is sharded on its local
+    tensor, its shard a ``DTensor`` on the data-parallel and TP meshes together,
+    as FSDP2's. Each module (each outer one of a list) becomes
     an instance of ``FSDP<Class>``, a subclass of ``torch.distributed.fsdp.FSDPModule``
     and of its class, whose ``FSDPModule`` methods act on this application. Its
     forward all-gathers the parameters first; backward gathers them again if
@@ -493,15 +497,17 @@ def fully_shard(
             process group on the accelerator if there is one, else on CPU. A 2-D
             mesh ``(replicate, shard)`` is HSDP, as in FSDP2: parameters are sharded
             over the inner dim (placements ``(Replicate(), Shard(0))``) and
-            gradients averaged over both.
+            gradients averaged over both. With tensor parallelism, the data-parallel
+            sub-mesh (``mesh["dp"]``); with ``dp_mesh_dims``, the full mesh.
         reshard_after_forward: As in FSDP2: ``None`` frees the parameters after
             forward except on the root (the first application to run forward),
             ``True`` always, ``False`` never; an int is the world size to reshard
             to (1 means False, the shard size True; in between, each rank keeps its
             share of a smaller group's shards after forward and backward gathers
             over that group, FSDP2's post-forward mesh).
-        shard_placement_fn: Called with each parameter; may return ``None`` or
-            ``Shard(0)``.
+        shard_placement_fn: Called with each parameter; may return ``None``
+            (dim 0) or ``Shard(d)``: shard on dim ``d``, which must divide evenly
+            over the shard ranks unless it is 0.
         mp_policy: FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` for the
             gathered parameters (and the floating inputs, if
             ``cast_forward_inputs``), ``reduce_dtype`` for gradient reduction,
@@ -509,20 +515,28 @@ def fully_shard(
         offload_policy: ``CPUOffloadPolicy`` on a CPU mesh changes nothing (the
             shards are on CPU already).
         ignored_params: Parameters left as they are, neither sharded nor managed.
-        dp_mesh_dims: Accepted as ``None`` only.
+        dp_mesh_dims: torch's ``DataParallelMeshDims``: ``mesh`` is the full
+            mesh, every parameter a DTensor on it, ``Replicate()`` on the named
+            data-parallel dims (several names of a field flattened into one dim;
+            ``shard`` required, its dims adjacent).
 
     Returns:
         ``module`` itself (the contract returns what it was given), typed as given.
 
     Raises:
-        TypeError: An argument is of the wrong type (the message names it).
+        TypeError: An argument is of the wrong type (the message names it), or
+            ``dp_mesh_dims`` where torch has no ``DataParallelMeshDims``.
         ValueError: An int ``reshard_after_forward`` does not divide the mesh's
-            size, or a dtype is not floating point.
-        NotImplementedError: A placement on another dim than 0, ``dp_mesh_dims``,
-            or ``CPUOffloadPolicy`` on an accelerator mesh.
-        InvalidMeshError: The mesh is neither 1-D nor 2-D (a ``ValueError``).
-        AlreadyManagedError: A parameter another application manages, or one that
-            is already a DTensor.
+            size, a dtype is not floating point, a placement's dim is out of a
+            parameter's range, or ``dp_mesh_dims`` does not fit the mesh or a
+            parameter.
+        NotImplementedError: An uneven placement on another dim than 0, an int
+            ``reshard_after_forward`` for tensor-parallel parameters or another dim
+            than 0, or ``CPUOffloadPolicy`` on an accelerator mesh.
+        InvalidMeshError: The mesh is neither 1-D nor 2-D (a ``ValueError``), or
+            a tensor-parallel mesh cannot stand beside it.
+        AlreadyManagedError: A parameter another application manages, or a
+            DTensor on the data-parallel mesh.
         ContractError: No process group, or a 0-d parameter.
     """
     # A list's modules nested in one another: the outer ones hold the group, as the
@@ -536,16 +550,22 @@ def fully_shard(
         offload_policy=offload_policy,
         shard_placement_fn=shard_placement_fn,
         ignored_params=ignored_params,
-        dp_mesh_dims=dp_mesh_dims,
     )
     mesh = _default_mesh(targets[0]) if mesh is None else mesh
-    _check_mesh(targets[0], mesh)
+    spmd = None
+    if dp_mesh_dims is None:
+        _check_mesh(targets[0], mesh)
+    else:  # mesh is the full SPMD mesh: shard over the data-parallel dims it names
+        spmd = data_parallel_dims(targets[0], mesh, dp_mesh_dims)
+        _check_spmd_resharding(targets[0], reshard_after_forward)
+        mesh = spmd.mesh
     _check_offload(targets[0], offload_policy, mesh)
     resharding = _resharding(targets[0], reshard_after_forward, mesh)
     ignored: list[str] = []
     found = _find_parameters(targets, {id(p) for p in ignored_params or ()}, ignored)
-    if shard_placement_fn is not None:
-        _check_placements(targets[0], found, shard_placement_fn)
+    layouts = _layouts(targets[0], found, mesh, shard_placement_fn, spmd)
+    if _has_post_forward_mesh(reshard_after_forward, mesh):  # checked before making its groups
+        check_post_forward(targets[0], zip(found, layouts, strict=True), reshard_after_forward)
     post_forward = _post_forward_mesh(reshard_after_forward, mesh)
     parameters = [
         ManagedParameter(
@@ -555,8 +575,9 @@ def fully_shard(
             mesh,
             mp_policy.param_dtype,
             post_forward_mesh=post_forward,
+            layout=layout,
         )
-        for item in found
+        for item, layout in zip(found, layouts, strict=True)
     ]
     group = ParamGroup(
         fully_shard,

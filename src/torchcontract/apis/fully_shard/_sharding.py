@@ -1,9 +1,12 @@
-"""One managed parameter: its dim-0 shard as a DTensor, and the unsharded tensor in forward.
+"""One managed parameter: its shard as a DTensor, and the unsharded tensor in forward.
 
 As PyTorch's ``FSDPParam``: rank ``r`` of ``W`` keeps rows
 ``[r * c, min((r + 1) * c, d0))`` of dim 0, ``c = ceil(d0 / W)``, the split of
 ``torch.chunk`` that ``DTensor``'s ``Shard(0)`` uses (the last ranks may hold
-fewer rows, or none). Collectives move padded shards of ``c`` rows.
+fewer rows, or none). Collectives move padded shards of ``c`` rows. Another dim
+(``shard_placement_fn``) splits evenly, as FSDP2 requires; gathered shards are
+copied into place. The tensor split, its dim and its ``DTensor`` forms (tensor
+parallelism's included) are the parameter's ``Layout`` (``_layout``).
 
 The unsharded parameter is one ``nn.Parameter`` per managed parameter, made at
 the first all-gather and kept: autograd's graph refers to it between forward and
@@ -28,26 +31,24 @@ from torch import Tensor, nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
 
 from .. import _torch
+from ._layout import Layout, layout_of, local_tensor
 
-__all__ = ["Location", "ManagedParameter", "as_dtensor", "placements"]
+__all__ = ["Location", "ManagedParameter", "as_dtensor"]
 
 #: Where a parameter is registered: a module (weakly) and the name in its ``_parameters``.
 Location = tuple["weakref.ref[nn.Module]", str]
 
 
-def placements(mesh: DeviceMesh) -> tuple[Placement, ...]:
-    """FSDP2's placements: ``(Shard(0),)`` on a 1-D mesh, ``(Replicate(), Shard(0))`` for HSDP."""
-    return (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
-
-
 class ManagedParameter:
-    """A parameter sharded on dim 0 over a mesh's last dim, and its unsharded form when gathered.
+    """A parameter sharded over a mesh's last dim, and its unsharded form when gathered.
 
     On a 2-D ``(replicate, shard)`` mesh (HSDP) every replica holds the same shards:
-    the rows are split over the inner dim only.
+    the rows are split over the inner dim only. ``layout`` (default: the parameter
+    as it is, on dim 0) says which tensor is split on which dim and what DTensors
+    the shard and the unsharded parameter are; ``shape`` is that tensor's (the
+    TP-local one under tensor parallelism), ``layout.shape`` the parameter's.
     """
 
     def __init__(
@@ -59,34 +60,33 @@ class ManagedParameter:
         param_dtype: torch.dtype | None,
         *,
         post_forward_mesh: DeviceMesh | None = None,
+        layout: Layout | None = None,
     ) -> None:
         self.fqn = fqn
         self.original = weakref.ref(parameter)
         self.locations = tuple(locations)
-        self.mesh = mesh
-        self.placements = placements(mesh)
+        self.layout = layout_of(None, fqn, parameter, mesh, 0) if layout is None else layout
+        self.mesh = self.layout.mesh  # of the sharded DTensor: the data-parallel mesh (x TP)
+        self.placements = self.layout.placements
         self.world = mesh.size(mesh.ndim - 1)
         self.rank = mesh.get_local_rank(mesh.ndim - 1)
-        self.shape = parameter.shape
+        self.dim = self.layout.dim
+        self.shape = self.layout.local_shape  # of the tensor split (TP-local under TP)
         # The mixed-precision dtype of the gathered parameter; None: the parameter's own.
         floating = parameter.dtype.is_floating_point
         self.mixed_dtype = param_dtype if floating else None
-        self.rows = parameter.shape[0]
-        self.row_numel = math.prod(parameter.shape[1:])
+        # "Rows" are the slices along the sharded dim.
+        self.rows = self.shape[self.dim]
+        self.row_numel = math.prod(self.shape) // max(self.rows, 1)
         self.chunk_rows = -(-self.rows // self.world)  # ceil
         self.local_rows = max(0, min(self.chunk_rows, self.rows - self.rank * self.chunk_rows))
         self.padded_shard_numel = self.chunk_rows * self.row_numel
+        self.shard_shape = self._with_rows(self.local_rows)
         start = min(self.rank * self.chunk_rows, self.rows)
         with torch.no_grad():
-            local = parameter.detach().narrow(0, start, self.local_rows).clone()
-            sharded = DTensor.from_local(
-                local,
-                mesh,
-                self.placements,
-                run_check=False,
-                shape=parameter.shape,
-                stride=parameter.stride(),
-            )
+            whole = local_tensor(parameter).detach()
+            local = whole.narrow(self.dim, start, self.local_rows).contiguous().clone()
+            sharded = self.layout.sharded(local)
         self.sharded = nn.Parameter(sharded, requires_grad=parameter.requires_grad)
         # FSDP2's post-forward mesh (an int reshard_after_forward): after forward, each
         # rank keeps 1/N of the gathered padded rows, registered as a DTensor
@@ -104,6 +104,10 @@ class ManagedParameter:
         self.unsharded: nn.Parameter | None = None
         # Gradients kept unreduced (no_sync) in the reduce dtype, when it differs.
         self._accumulated: Tensor | None = None
+
+    def _with_rows(self, rows: int) -> torch.Size:
+        """The split tensor's shape with ``rows`` slices along the sharded dim."""
+        return torch.Size((*self.shape[: self.dim], rows, *self.shape[self.dim + 1 :]))
 
     @property
     def orig_dtype(self) -> torch.dtype:
@@ -141,7 +145,7 @@ class ManagedParameter:
         current = module._parameters.get(self.locations[0][1])
         if current is None or current is self.sharded or current is self.unsharded:
             return
-        if isinstance(current, DTensor) and current.shape == self.shape:
+        if isinstance(current, DTensor) and current.shape == self.layout.shape:
             self.sharded = current
             self.install(current)
 
@@ -171,7 +175,9 @@ class ManagedParameter:
                 self.world * self.padded_shard_numel, dtype=gathered.dtype, device=gathered.device
             )
             unsharded = self._gathered[: self.rows * self.row_numel].view(self.shape)
-            self.unsharded = nn.Parameter(unsharded, requires_grad=self.sharded.requires_grad)
+            self.unsharded = nn.Parameter(
+                self.layout.unsharded(unsharded), requires_grad=self.sharded.requires_grad
+            )
         else:
             storage = self._gathered.untyped_storage()
             size = self._gathered.numel() * self._gathered.element_size()
@@ -181,8 +187,18 @@ class ManagedParameter:
         if self.unsharded.requires_grad != self.sharded.requires_grad:
             self.unsharded.requires_grad_(self.sharded.requires_grad)
         with torch.no_grad(), _unsafe_preserve_version_counter(self._gathered):
-            self._gathered.view(self.world, -1).copy_(gathered)
+            if self.dim == 0:
+                self._gathered.view(self.world, -1).copy_(gathered)
+            else:  # rank r's slices go to [r * c, (r + 1) * c) of the dim (even: no padding)
+                self._split_view(self._gathered).copy_(
+                    gathered.view(self.world, *self.shard_shape).movedim(0, self.dim)
+                )
         self.install(self.unsharded)
+
+    def _split_view(self, tensor: Tensor) -> Tensor:
+        """``tensor`` (of the split tensor's numel) with the sharded dim as ``(world, c)``."""
+        shape = (*self.shape[: self.dim], self.world, self.chunk_rows, *self.shape[self.dim + 1 :])
+        return tensor.view(shape)
 
     def follow_cast(self) -> None:
         """Cast the shard as the model was cast while this parameter was unsharded.
@@ -228,7 +244,7 @@ class ManagedParameter:
                 mesh,
                 (Replicate(), Shard(0)),
                 run_check=False,
-                shape=self.shape,
+                shape=self.layout.shape,
                 stride=self.sharded.stride(),
             )
         self.install(nn.Parameter(registered, requires_grad=self.sharded.requires_grad))
@@ -249,6 +265,8 @@ class ManagedParameter:
         grad = None
         if self.unsharded is not None:
             grad, self.unsharded.grad = self.unsharded.grad, None
+            if grad is not None:
+                grad = self.layout.local_grad(grad)
         accumulated, self._accumulated = self._accumulated, None
         if accumulated is None:
             return grad
@@ -275,6 +293,7 @@ class ManagedParameter:
         if reduce_dtype is None or grad.dtype == reduce_dtype:
             return  # autograd keeps adding to it
         self.unsharded.grad = None
+        grad = self.layout.local_grad(grad)
         if self._accumulated is None:
             self._accumulated = grad.to(reduce_dtype)
         else:
@@ -283,24 +302,22 @@ class ManagedParameter:
     def scatter_input(self, grad: Tensor, dtype: torch.dtype) -> Tensor:
         """``grad`` padded to ``world * chunk_rows`` rows, as ``(world, padded_shard_numel)``."""
         padded = torch.zeros(self.world * self.padded_shard_numel, dtype=dtype, device=grad.device)
-        padded[: grad.numel()].copy_(grad.reshape(-1))
+        if self.dim == 0:
+            padded[: grad.numel()].copy_(grad.reshape(-1))
+        else:  # rank-major: rank r's slices of the dim, contiguous
+            padded.view(self.world, *self.shard_shape).copy_(
+                self._split_view(grad.contiguous()).movedim(self.dim, 0)
+            )
         return padded.view(self.world, self.padded_shard_numel)
 
     def accumulate_shard_grad(self, reduced: Tensor) -> None:
         """Add this rank's averaged rows (a padded flat slice) to the sharded ``.grad``."""
         local = reduced[: self.local_rows * self.row_numel].to(self.orig_dtype, copy=True)
-        local = local.view(self.local_rows, *self.shape[1:])
+        local = local.view(self.shard_shape)
         grad = self.sharded.grad
         with torch.no_grad():
             if grad is None:
-                self.sharded.grad = DTensor.from_local(
-                    local,
-                    self.mesh,
-                    self.placements,
-                    run_check=False,
-                    shape=self.shape,
-                    stride=self.sharded.stride(),
-                )
+                self.sharded.grad = self.layout.sharded(local)
             else:
                 as_dtensor(grad).to_local().add_(local)
 

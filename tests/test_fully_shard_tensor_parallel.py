@@ -1,0 +1,174 @@
+"""fully_shard on DTensor parameters (tensor parallel, dp_mesh_dims): placements and refusals.
+
+Over PyTorch's fake process group of 4 ranks: what needs no numbers. Each refusal
+leaves the module as it was. The numbers, against FSDP2 on gloo ranks, are in
+``tests/distributed/test_fully_shard_tp_gloo.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import DataParallelMeshDims
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from torchcontract import AlreadyManagedError
+from torchcontract.apis import _compat, fully_shard
+
+_REPLICATED = [Replicate(), Replicate()]
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[DeviceMesh]:
+    """A (dp, tp) mesh of 4 x 1: room for an int ``reshard_after_forward`` between 1 and 4."""
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        yield init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "tp"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _column_parallel(mesh: DeviceMesh) -> nn.Sequential:
+    model = nn.Sequential(nn.Linear(4, 8))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
+    return model
+
+
+def _unchanged(model: nn.Sequential, mesh: DeviceMesh) -> bool:
+    weight = model[0].weight
+    return (
+        type(model) is nn.Sequential
+        and isinstance(weight, DTensor)
+        and weight.device_mesh == mesh["tp"]
+        and not fully_shard.is_applied(model)
+    )
+
+
+def test_tp_parameters_live_on_the_dp_and_tp_dims(mesh: DeviceMesh) -> None:
+    model = fully_shard(_column_parallel(mesh), mesh=mesh["dp"])
+    weight = model[0].weight
+    assert isinstance(weight, DTensor)
+    assert weight.device_mesh.mesh_dim_names == ("dp", "tp")
+    assert weight.placements == (Shard(0), Shard(0))  # TP's split of 1: no _StridedShard
+    assert weight.to_local().shape == (2, 4)
+
+
+def test_an_int_reshard_after_forward_with_tp_parameters_is_refused(mesh: DeviceMesh) -> None:
+    model = _column_parallel(mesh)
+    with pytest.raises(NotImplementedError, match=r"parameter '0.weight', a tensor-parallel"):
+        fully_shard(model, mesh=mesh["dp"], reshard_after_forward=2)
+    assert _unchanged(model, mesh)
+
+
+def test_an_int_reshard_after_forward_with_dim_1_shards_is_refused(mesh: DeviceMesh) -> None:
+    model = nn.Sequential(nn.Linear(4, 8))
+    with pytest.raises(NotImplementedError, match=r"parameter '0.weight', split on dim 1"):
+        fully_shard(
+            model,
+            mesh=mesh["dp"],
+            reshard_after_forward=2,
+            shard_placement_fn=lambda parameter: Shard(1) if parameter.dim() == 2 else None,
+        )
+    assert not any(isinstance(parameter, DTensor) for parameter in model.parameters())
+
+
+def test_a_dtensor_on_the_data_parallel_mesh_is_refused(mesh: DeviceMesh) -> None:
+    linear = nn.Linear(4, 8)
+    model = nn.Sequential(linear)
+    linear.weight = nn.Parameter(
+        distribute_tensor(linear.weight.detach(), mesh["dp"], [Replicate()])
+    )
+    with pytest.raises(AlreadyManagedError, match=r"'0.weight' is already a DTensor on fully"):
+        fully_shard(model, mesh=mesh["dp"])
+    assert type(model) is nn.Sequential
+    weight = model[0].weight
+    assert isinstance(weight, DTensor)
+    assert weight.device_mesh == mesh["dp"]
+
+
+def test_a_partial_dtensor_is_refused(mesh: DeviceMesh) -> None:
+    model = nn.Sequential(nn.Linear(4, 8))
+    partial = DTensor.from_local(torch.ones(8, 4), mesh["tp"], [Partial()], run_check=False)
+    model[0].weight = nn.Parameter(partial)
+    with pytest.raises(NotImplementedError, match=r"'0.weight' is a DTensor with a Partial"):
+        fully_shard(model, mesh=mesh["dp"])
+    assert type(model) is nn.Sequential
+
+
+def test_a_tp_placement_out_of_range_is_refused_naming_the_parameter(mesh: DeviceMesh) -> None:
+    model = _column_parallel(mesh)
+    with pytest.raises(ValueError, match=r"Shard\(-3\) for parameter '0.weight' of 2 dims"):
+        fully_shard(model, mesh=mesh["dp"], shard_placement_fn=lambda parameter: Shard(-3))
+    assert _unchanged(model, mesh)
+
+
+# ----------------------------------------------------------------- dp_mesh_dims
+
+
+def test_dp_mesh_dims_shards_dtensors_of_the_full_mesh(mesh: DeviceMesh) -> None:
+    linear = nn.Linear(4, 8)
+    linear.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, _REPLICATED))
+    linear.bias = nn.Parameter(distribute_tensor(linear.bias.detach(), mesh, _REPLICATED))
+    model = fully_shard(nn.Sequential(linear), mesh=mesh, dp_mesh_dims=DataParallelMeshDims("dp"))
+    weight = model[0].weight
+    assert isinstance(weight, DTensor)
+    assert weight.device_mesh == mesh
+    assert weight.placements == (Shard(0), Replicate())
+    assert weight.to_local().shape == (2, 4)
+
+
+def test_dp_mesh_dims_refuses_a_plain_parameter_naming_it(mesh: DeviceMesh) -> None:
+    model = nn.Sequential(nn.Linear(4, 8))
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is a plain tensor"):
+        fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims("dp"))
+    assert type(model) is nn.Sequential
+
+
+def test_dp_mesh_dims_refuses_a_name_the_mesh_lacks(mesh: DeviceMesh) -> None:
+    with pytest.raises(ValueError, match=r"names 'fsdp', which is not a dim of the mesh"):
+        fully_shard(nn.Linear(4, 8), mesh=mesh, dp_mesh_dims=DataParallelMeshDims("fsdp"))
+
+
+def test_dp_mesh_dims_refuses_an_int_reshard_after_forward(mesh: DeviceMesh) -> None:
+    with pytest.raises(NotImplementedError, match=r"reshard_after_forward=2 \(an int\) with dp"):
+        fully_shard(
+            nn.Linear(4, 8),
+            mesh=mesh,
+            dp_mesh_dims=DataParallelMeshDims("dp"),
+            reshard_after_forward=2,
+        )
+
+
+def test_dp_mesh_dims_refuses_a_parameter_sharded_on_a_data_parallel_dim(
+    mesh: DeviceMesh,
+) -> None:
+    linear = nn.Linear(4, 8)
+    sharded = distribute_tensor(linear.weight.detach(), mesh, [Shard(0), Replicate()])
+    linear.weight = nn.Parameter(sharded)
+    with pytest.raises(ValueError, match=r"'0.weight' is Shard\(dim=0\) on data-parallel mesh"):
+        fully_shard(nn.Sequential(linear), mesh=mesh, dp_mesh_dims=DataParallelMeshDims("dp"))
+
+
+def test_dp_mesh_dims_where_torch_has_none_is_a_type_error(
+    mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_compat, "DATA_PARALLEL_MESH_DIMS", None)
+    with pytest.raises(TypeError, match=r"dp_mesh_dims needs torch.distributed.fsdp.DataPar"):
+        fully_shard(nn.Linear(4, 8), mesh=mesh, dp_mesh_dims=DataParallelMeshDims("dp"))
+
+
+def test_dp_mesh_dims_refuses_shard_dims_apart_and_replicate_alone(mesh: DeviceMesh) -> None:
+    """Flattening takes adjacent dims; replicate alone is FSDP2's DDP mode, not taken."""
+    cube = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("a", "tp", "b"))
+    with pytest.raises(NotImplementedError, match=r"shard=\('a', 'b'\) is not supported"):
+        fully_shard(nn.Linear(4, 8), mesh=cube, dp_mesh_dims=DataParallelMeshDims(("a", "b")))
+    with pytest.raises(NotImplementedError, match=r"shard=\(\) is not supported"):
+        fully_shard(nn.Linear(4, 8), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
