@@ -151,7 +151,9 @@ def train_loop(
             checkpoints.save(model, optimizer, progress)
             _pause_if_drilled(settings, progress.step)
     run = Run(resumed_from, gap, tuple(losses), progress, parameter_digest(model))
-    print(run.final_line, flush=True)
+    # One write, so the ranks' lines do not interleave on a shared terminal.
+    sys.stdout.write(run.final_line + "\n")
+    sys.stdout.flush()
     return run
 
 
