@@ -190,6 +190,20 @@ def test_a_killed_worker_is_restarted_and_resumes_from_the_step_6_checkpoint(
     assert _final_lines(done.stdout) == uninterrupted.final_lines
 
 
+def test_a_restart_in_the_agents_shared_store_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    checkpoints = tmp_path / "checkpoints"
+    command = _command(RESTARTING.split(" ", 1)[1], "hsdp", checkpoints)
+    with BackgroundCommand(
+        command.arguments, output=tmp_path / "agent", env=command.environment
+    ) as agent:
+        _wait_for(checkpoints / "hsdp" / "step-000006", agent)
+        os.kill(_workers_of(agent.process.pid)[1], signal.SIGKILL)
+        done = agent.wait(TIMEOUT)
+    assert done.returncode != 0
+    assert "torchrun restarted the workers in the store its agents share" in done.stderr
+    assert "run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in done.stderr
+
+
 def test_a_rerun_on_a_finished_directory_trains_nothing_and_ends_the_same(
     uninterrupted: Uninterrupted,
 ) -> None:

@@ -103,8 +103,24 @@ def _run(rank: int, world_size: int, settings: Settings) -> object:
     return _run_both(rank, world_size, settings)
 
 
+def _check_restartable() -> None:
+    """Refuse a restarted attempt in the store torchrun's agents share, before it hangs.
+
+    That store outlives the attempt: the previous workers' addresses are still in it,
+    and gloo connects to them instead of the new workers' (pytorch/pytorch#135712).
+    """
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if restarted and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise SystemExit(
+            "torchcontract.demo: torchrun restarted the workers in the store its agents "
+            "share, which still holds the previous workers' addresses; run torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so that each attempt gets a store of its own"
+        )
+
+
 def _run_as_torchrun_worker(settings: Settings) -> NoReturn:
     """Join the ``env://`` group torchrun describes, run, and leave without finalizing."""
+    _check_restartable()
     dist.init_process_group("gloo")
     try:
         _run(dist.get_rank(), dist.get_world_size(), settings)

@@ -35,6 +35,8 @@ class Outcome:
     final_loss: float
     ddp_gradient_gap: float
     final_line: str
+    #: The step this run resumed from; None when it started from scratch.
+    resumed_from: int | None
 
 
 def _compare_with_ddp(
@@ -114,7 +116,7 @@ def train(rank: int, world_size: int, settings: Settings) -> Outcome:
             + comparison_line("gradients matched DistributedDataParallel's on the first step", run)
         )
     losses = run.losses or (run.final.loss,)
-    return Outcome(losses[0], losses[-1], run.gap, run.final_line)
+    return Outcome(losses[0], losses[-1], run.gap, run.final_line, run.resumed_from)
 
 
 def _strings(value: object) -> list[str]:

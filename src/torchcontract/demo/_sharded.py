@@ -38,6 +38,8 @@ class ShardedOutcome:
     local_bytes: int
     full_bytes: int
     final_line: str
+    #: The step this run resumed from; None when it started from scratch.
+    resumed_from: int | None
 
 
 def local_parameter_bytes(model: nn.Module) -> int:
@@ -121,4 +123,6 @@ def train_sharded(rank: int, world_size: int, settings: Settings) -> ShardedOutc
                 f"with torch {torch.__version__}"
             )
     losses = run.losses or (run.final.loss,)
-    return ShardedOutcome(losses[0], losses[-1], run.gap, local, full_bytes, run.final_line)
+    return ShardedOutcome(
+        losses[0], losses[-1], run.gap, local, full_bytes, run.final_line, run.resumed_from
+    )

@@ -103,9 +103,10 @@ def collect(
 
     Once a failure that is not secondary (see ``Failure``) is in, the others have
     ``grace`` seconds to report; while only secondary ones are in,
-    ``CAUSE_GRACE_SECONDS`` (or ``grace``, if longer). The one raised is the first, by time, of the failures
-    that are not secondary, else the first of all; the others are added to it as
-    notes. The TimeoutError ends with where each hung rank was: its threads' stacks.
+    ``CAUSE_GRACE_SECONDS`` (or ``grace``, if longer). The one raised is the first,
+    by time, of the failures that are not secondary, else the first of all; the
+    others are added to it as notes. The TimeoutError ends with where each hung
+    rank was: its threads' stacks.
     """
     world_size = len(processes)
     deadline = time.monotonic() + timeout
