@@ -85,3 +85,32 @@ def test_help_lists_the_checkpoint_options() -> None:
         "--steps",
     ):
         assert option in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--checkpoint-every", "0"], "--nproc, --steps and --checkpoint-every must be at least 1"),
+        (["--pause-after-checkpoint", "6"], "--pause-after-checkpoint needs --checkpoint-dir"),
+        (
+            [
+                "--checkpoint-dir",
+                "unused",
+                "--checkpoint-every",
+                "4",
+                "--pause-after-checkpoint",
+                "6",
+            ],
+            "--pause-after-checkpoint 6: no checkpoint is saved at step 6; pass a multiple of "
+            "--checkpoint-every (4) or --steps (40)",
+        ),
+    ],
+)
+def test_misused_options_are_refused_before_anything_starts(
+    arguments: list[str], message: str, tmp_path: Path
+) -> None:
+    command = [sys.executable, "-m", "torchcontract.demo", *arguments]
+    done = run_command(command, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert not (tmp_path / "unused").exists()

@@ -81,6 +81,15 @@ def _settings(argv: Sequence[str] | None) -> tuple[Settings, int]:
     nproc: int = arguments.nproc if arguments.nproc is not None else 4 if hsdp else 2
     if nproc < 1 or arguments.steps < 1 or arguments.checkpoint_every < 1:
         parser.error("--nproc, --steps and --checkpoint-every must be at least 1")
+    pause: int | None = arguments.pause_after_checkpoint
+    if pause is not None and arguments.checkpoint_dir is None:
+        parser.error("--pause-after-checkpoint needs --checkpoint-dir: without it nothing is saved")
+    every: int = arguments.checkpoint_every
+    if pause is not None and pause % every and pause != arguments.steps:
+        parser.error(
+            f"--pause-after-checkpoint {pause}: no checkpoint is saved at step {pause}; "
+            f"pass a multiple of --checkpoint-every ({every}) or --steps ({arguments.steps})"
+        )
     world_size = int(os.environ.get("WORLD_SIZE") or nproc)
     if hsdp and world_size % 2:
         parser.error(
@@ -90,8 +99,8 @@ def _settings(argv: Sequence[str] | None) -> tuple[Settings, int]:
         steps=arguments.steps,
         hsdp=hsdp,
         checkpoint_dir=arguments.checkpoint_dir,
-        checkpoint_every=arguments.checkpoint_every,
-        pause_after_checkpoint=arguments.pause_after_checkpoint,
+        checkpoint_every=every,
+        pause_after_checkpoint=pause,
     )
     return settings, nproc
 
