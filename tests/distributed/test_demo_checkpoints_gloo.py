@@ -74,6 +74,16 @@ def test_a_save_cut_short_is_ignored_and_the_previous_checkpoint_resumed(
     assert sorted(path.name for path in phase.iterdir()) == ["step-000002", "step-000004"]
 
 
+def test_a_checkpoint_of_another_world_size_is_refused(
+    uninterrupted: tuple[Path, list[ShardedOutcome]], tmp_path: Path
+) -> None:
+    source, _ = uninterrupted
+    shutil.copytree(source, tmp_path, dirs_exist_ok=True)
+    settings = Settings(steps=STEPS, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    with pytest.raises(ValueError, match="step-000004 was saved by 2 ranks, this run has 1"):
+        run_distributed(train_sharded, 1, timeout=120.0, args=(settings,))
+
+
 def test_help_lists_the_checkpoint_options() -> None:
     done = run_command([sys.executable, "-m", "torchcontract.demo", "--help"], timeout=60)
     assert done.returncode == 0, done.stderr

@@ -53,6 +53,7 @@ class Checkpoints:
 
     directory: Path
     rank: int
+    world_size: int
 
     def prepare(self) -> None:
         """Create the directory and remove what a killed save left; collective."""
@@ -75,7 +76,8 @@ class Checkpoints:
         """
         final = self.directory / f"step-{progress.step:06d}"
         partial = final.with_name(final.name + _PARTIAL_SUFFIX)
-        save_checkpoint(_state(model, optimizer, progress, self.rank), checkpoint_id=partial)
+        state = _state(model, optimizer, progress, self.rank, self.world_size)
+        save_checkpoint(state, checkpoint_id=partial)
         # It returns on every rank once rank 0 has written the metadata: all is on disk.
         if self.rank == 0:
             partial.rename(final)
@@ -84,8 +86,20 @@ class Checkpoints:
         return final
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Progress:
-        """Load the checkpoint at ``path`` into ``model``, ``optimizer`` and this rank's RNGs."""
-        state = _state(model, optimizer, Progress(0, 0.0), self.rank)
+        """Load the checkpoint at ``path`` into ``model``, ``optimizer`` and this rank's RNGs.
+
+        Raises ``ValueError`` if another number of ranks saved it: each rank resumes the
+        RNG states and the batches of the rank with its number, so the count must match.
+        """
+        saved = {"world_size": torch.tensor(0)}
+        load_checkpoint({"progress": saved}, checkpoint_id=path)
+        if int(saved["world_size"]) != self.world_size:
+            raise ValueError(
+                f"torchcontract.demo: {path} was saved by {int(saved['world_size'])} ranks, "
+                f"this run has {self.world_size}; resume with as many, or pass another "
+                "--checkpoint-dir"
+            )
+        state = _state(model, optimizer, Progress(0, 0.0), self.rank, self.world_size)
         load_checkpoint(state, checkpoint_id=path)
         set_state_dict(
             model,
@@ -101,7 +115,11 @@ class Checkpoints:
 
 
 def _state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, progress: Progress, rank: int
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    progress: Progress,
+    rank: int,
+    world_size: int,
 ) -> dict[str, Any]:
     """What a checkpoint holds; the RNG states under each rank's own key, the rest shared."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -111,6 +129,7 @@ def _state(
         "progress": {
             "step": torch.tensor(progress.step),
             "loss": torch.tensor(progress.loss, dtype=torch.float64),
+            "world_size": torch.tensor(world_size),
         },
         "rng": {str(rank): {"torch": torch.get_rng_state(), "python": random.getstate()}},
     }

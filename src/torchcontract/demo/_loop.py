@@ -116,7 +116,7 @@ def train_loop(
     checkpoints = (
         None
         if settings.checkpoint_dir is None
-        else Checkpoints(Path(settings.checkpoint_dir) / phase, rank)
+        else Checkpoints(Path(settings.checkpoint_dir) / phase, rank, world_size)
     )
     progress, resumed_from = Progress(0, math.nan), None
     if checkpoints is not None:
