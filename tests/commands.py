@@ -56,7 +56,58 @@ def _stop(process: subprocess.Popen[str]) -> tuple[str, str]:
         with contextlib.suppress(ProcessLookupError):  # the group is gone already
             os.killpg(process.pid, sent)
         try:
-            return process.communicate(timeout=GRACE_SECONDS)
+            stdout, stderr = process.communicate(timeout=GRACE_SECONDS)
+            return stdout or "", stderr or ""
         except subprocess.TimeoutExpired:
             continue
     return "", "(no output: the command's pipes stayed open after SIGKILL)"
+
+
+class BackgroundCommand:
+    """A command started in a session of its own, its output written to files.
+
+    For commands that run side by side, or that a test acts on while they run. Used
+    as a context manager: on exit, a command still running is stopped as
+    ``run_command`` stops one (its whole process group), so nothing outlives the test.
+    """
+
+    def __init__(
+        self, command: Sequence[str | Path], *, output: Path, env: Mapping[str, str] | None = None
+    ) -> None:
+        self.arguments = [str(part) for part in command]
+        self._stdout = output.with_suffix(".out")
+        self._stderr = output.with_suffix(".err")
+        with self._stdout.open("w") as stdout, self._stderr.open("w") as stderr:
+            self.process = subprocess.Popen(
+                self.arguments,
+                env=None if env is None else dict(env),
+                stdout=stdout,
+                stderr=stderr,
+                text=True,
+                start_new_session=True,
+            )
+
+    def __enter__(self) -> BackgroundCommand:
+        return self
+
+    def __exit__(self, *exception: object) -> None:
+        if self.process.poll() is None:
+            _stop(self.process)
+
+    def output(self) -> tuple[str, str]:
+        """What the command wrote so far: stdout and stderr."""
+        return self._stdout.read_text(), self._stderr.read_text()
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess[str]:
+        """Wait for the command to exit; stop it and fail the test if it outlives ``timeout``."""
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop(self.process)
+            stdout, stderr = self.output()
+            pytest.fail(
+                f"{' '.join(self.arguments[:4])} did not finish within {timeout:g} s and was "
+                f"stopped:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+            )
+        stdout, stderr = self.output()
+        return subprocess.CompletedProcess(self.arguments, self.process.returncode, stdout, stderr)

@@ -208,6 +208,13 @@ def test_world_size_below_one_is_rejected() -> None:
         run_distributed(_who, 0)
 
 
+def test_a_negative_grace_is_rejected() -> None:
+    with pytest.raises(
+        ValueError, match=r"run_distributed: grace must be at least 0 seconds, got -1"
+    ):
+        run_distributed(_who, 2, grace=-1.0)
+
+
 def test_free_port_can_be_bound() -> None:
     import socket
 

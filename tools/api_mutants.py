@@ -240,10 +240,18 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
     Mutant(
         "run_distributed_no_grace",
         "testing/_collect.py",
-        "            deadline = min(deadline, time.monotonic() + grace)\n",
+        "            deadline = min(deadline, time.monotonic() + wait_more)\n",
         "",
         (GUARANTEES,),
         "after a rank failed, the others get the whole timeout instead of a grace period",
+    ),
+    Mutant(
+        "run_distributed_dist_error_as_cause",
+        "testing/_collect.py",
+        "    if isinstance(error, dist.DistError):\n        return True\n",
+        "",
+        ("tests/test_testing_root_cause.py",),
+        "a peer's DistError without connection words is taken for the root cause",
     ),
     Mutant(
         "run_distributed_swallows_exception",

@@ -23,10 +23,10 @@ from typing import Any, Final
 import attrs
 import torch.distributed as dist
 
-__all__ = ["DUMP_SIGNAL", "Failure", "RankFailedError", "collect", "stack_path"]
+__all__ = ["DUMP_SIGNAL", "GRACE_SECONDS", "Failure", "RankFailedError", "collect", "stack_path"]
 
-#: How long the other ranks may still report after a root cause is in, before they are
-#: killed: it only gathers their failures for the notes.
+#: How long, by default, the other ranks may still report after a root cause is in,
+#: before they are killed: it only gathers their failures for the notes.
 GRACE_SECONDS: Final = 1.0
 #: How long the other ranks may report while only secondary failures are in: the rank
 #: whose failure caused them has failed already, but a busy machine may be slow to
@@ -96,14 +96,17 @@ def collect(
     readers: list[Connection],
     timeout: float,
     stacks: str,
+    *,
+    grace: float = GRACE_SECONDS,
 ) -> dict[int, Any]:
     """Wait for every rank's report; raise the root-cause failure, or TimeoutError at the deadline.
 
     Once a failure that is not secondary (see ``Failure``) is in, the others have
-    ``GRACE_SECONDS`` to report; while only secondary ones are in,
-    ``CAUSE_GRACE_SECONDS``. The one raised is the first, by time, of the failures
-    that are not secondary, else the first of all; the others are added to it as
-    notes. The TimeoutError ends with where each hung rank was: its threads' stacks.
+    ``grace`` seconds to report; while only secondary ones are in,
+    ``CAUSE_GRACE_SECONDS`` (or ``grace``, if longer). The one raised is the first,
+    by time, of the failures that are not secondary, else the first of all; the
+    others are added to it as notes. The TimeoutError ends with where each hung
+    rank was: its threads' stacks.
     """
     world_size = len(processes)
     deadline = time.monotonic() + timeout
@@ -145,8 +148,8 @@ def collect(
                 secondary, raised_at = False, time.time()
             error = _error_of(rank, world_size, processes[rank], payload)
             failures.append((secondary, raised_at, rank, error))
-            grace = CAUSE_GRACE_SECONDS if secondary else GRACE_SECONDS
-            deadline = min(deadline, time.monotonic() + grace)
+            wait_more = max(CAUSE_GRACE_SECONDS, grace) if secondary else grace
+            deadline = min(deadline, time.monotonic() + wait_more)
     if failures:
         (_, _, _, first), *others = sorted(failures, key=lambda failure: failure[:3])
         for _, _, other_rank, other in others:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import TypeVar, TypeVarTuple
 
-from ._collect import DUMP_SIGNAL, Failure, collect, name_of, stack_path
+from ._collect import DUMP_SIGNAL, GRACE_SECONDS, Failure, collect, name_of, stack_path
 from ._torch import barrier
 
 __all__ = ["StartMethod", "free_port", "run_distributed"]
@@ -62,6 +62,7 @@ def run_distributed(
     timeout: float = ...,
     start_method: StartMethod | None = ...,
     threads_per_rank: int | None = ...,
+    grace: float = ...,
 ) -> list[_R]: ...
 @overload
 def run_distributed(
@@ -72,6 +73,7 @@ def run_distributed(
     args: tuple[*_Ts],
     start_method: StartMethod | None = ...,
     threads_per_rank: int | None = ...,
+    grace: float = ...,
 ) -> list[_R]: ...
 def run_distributed(
     fn: Callable[..., _R],
@@ -81,6 +83,7 @@ def run_distributed(
     args: tuple[object, ...] = (),
     start_method: StartMethod | None = None,
     threads_per_rank: int | None = None,
+    grace: float = GRACE_SECONDS,
 ) -> list[_R]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return results by rank.
 
@@ -101,7 +104,8 @@ def run_distributed(
     and, as ``__cause__``, a ``RankFailedError`` holding the rank's traceback text;
     the other ranks are killed. Of several failures, the root cause is raised (an
     exception from ``fn``, or a rank exiting without a report, before the connection
-    errors its peers get when it leaves) and the others are added to it as notes.
+    errors its peers get when it leaves) and the others are added to it as notes:
+    those reported within ``grace`` seconds of the first failure of that kind.
 
     Args:
         fn: A module-level function ``fn(rank, world_size, *args)``.
@@ -111,6 +115,9 @@ def run_distributed(
         args: More arguments for ``fn``, the same on every rank; they must pickle.
         start_method: How ranks start; ``"forkserver"`` where the platform has it.
         threads_per_rank: Intra-op threads per rank; by default the CPUs shared evenly.
+        grace: Seconds the other ranks have to report once a rank failed, before they
+            are killed: long enough, and the notes show how each of them failed (a
+            rank blocked in a collective with a dead peer fails within ``timeout``).
 
     Returns:
         What ``fn`` returned on each rank, by rank.
@@ -121,11 +128,13 @@ def run_distributed(
             ``__cause__``).
         TimeoutError: The ranks were not all done within ``timeout`` seconds; the
             message shows every hung rank's stack.
-        ValueError: ``world_size`` is less than 1.
+        ValueError: ``world_size`` is less than 1, or ``grace`` is negative.
         TypeError: ``fn`` or ``args`` do not pickle.
     """
     if world_size < 1:
         raise ValueError(f"run_distributed: world_size must be at least 1, got {world_size}")
+    if grace < 0:
+        raise ValueError(f"run_distributed: grace must be at least 0 seconds, got {grace:g}")
     try:
         pickle.dumps((fn, args))
     except Exception as error:
@@ -152,7 +161,7 @@ def run_distributed(
             writer.close()
             processes.append(process)
             readers.append(reader)
-        outcomes = collect(fn, processes, readers, timeout, stacks)
+        outcomes = collect(fn, processes, readers, timeout, stacks, grace=grace)
     finally:
         _stop(processes)
         for reader in readers:
