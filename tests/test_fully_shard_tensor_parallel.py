@@ -8,13 +8,13 @@ leaves the module as it was. The numbers, against FSDP2 on gloo ranks, are in
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -23,6 +23,13 @@ from torchcontract import AlreadyManagedError
 from torchcontract.apis import _compat, fully_shard
 
 _REPLICATED = [Replicate(), Replicate()]
+
+#: torch's DataParallelMeshDims (2.13 has it), or None.
+DataParallelMeshDims: Any = _compat.DATA_PARALLEL_MESH_DIMS
+needs_dp_mesh_dims = pytest.mark.skipif(
+    DataParallelMeshDims is None,
+    reason=f"dp_mesh_dims takes DataParallelMeshDims, which torch {torch.__version__} lacks",
+)
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +120,7 @@ def test_a_tp_placement_out_of_range_is_refused_naming_the_parameter(mesh: Devic
 # ----------------------------------------------------------------- dp_mesh_dims
 
 
+@needs_dp_mesh_dims
 def test_dp_mesh_dims_shards_dtensors_of_the_full_mesh(mesh: DeviceMesh) -> None:
     linear = nn.Linear(4, 8)
     linear.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, _REPLICATED))
@@ -125,6 +133,7 @@ def test_dp_mesh_dims_shards_dtensors_of_the_full_mesh(mesh: DeviceMesh) -> None
     assert weight.to_local().shape == (2, 4)
 
 
+@needs_dp_mesh_dims
 def test_dp_mesh_dims_refuses_a_plain_parameter_naming_it(mesh: DeviceMesh) -> None:
     model = nn.Sequential(nn.Linear(4, 8))
     with pytest.raises(ValueError, match=r"parameter '0.weight' is a plain tensor"):
@@ -132,11 +141,13 @@ def test_dp_mesh_dims_refuses_a_plain_parameter_naming_it(mesh: DeviceMesh) -> N
     assert type(model) is nn.Sequential
 
 
+@needs_dp_mesh_dims
 def test_dp_mesh_dims_refuses_a_name_the_mesh_lacks(mesh: DeviceMesh) -> None:
     with pytest.raises(ValueError, match=r"names 'fsdp', which is not a dim of the mesh"):
         fully_shard(nn.Linear(4, 8), mesh=mesh, dp_mesh_dims=DataParallelMeshDims("fsdp"))
 
 
+@needs_dp_mesh_dims
 def test_dp_mesh_dims_refuses_an_int_reshard_after_forward(mesh: DeviceMesh) -> None:
     with pytest.raises(NotImplementedError, match=r"reshard_after_forward=2 \(an int\) with dp"):
         fully_shard(
@@ -147,6 +158,7 @@ def test_dp_mesh_dims_refuses_an_int_reshard_after_forward(mesh: DeviceMesh) -> 
         )
 
 
+@needs_dp_mesh_dims
 def test_dp_mesh_dims_refuses_a_parameter_sharded_on_a_data_parallel_dim(
     mesh: DeviceMesh,
 ) -> None:
@@ -160,11 +172,14 @@ def test_dp_mesh_dims_refuses_a_parameter_sharded_on_a_data_parallel_dim(
 def test_dp_mesh_dims_where_torch_has_none_is_a_type_error(
     mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """On a torch without ``DataParallelMeshDims``, whatever is passed; here made so."""
     monkeypatch.setattr(_compat, "DATA_PARALLEL_MESH_DIMS", None)
+    dims: Any = object() if DataParallelMeshDims is None else DataParallelMeshDims("dp")
     with pytest.raises(TypeError, match=r"dp_mesh_dims needs torch.distributed.fsdp.DataPar"):
-        fully_shard(nn.Linear(4, 8), mesh=mesh, dp_mesh_dims=DataParallelMeshDims("dp"))
+        fully_shard(nn.Linear(4, 8), mesh=mesh, dp_mesh_dims=dims)
 
 
+@needs_dp_mesh_dims
 def test_dp_mesh_dims_refuses_shard_dims_apart_and_replicate_alone(mesh: DeviceMesh) -> None:
     """Flattening takes adjacent dims; replicate alone is FSDP2's DDP mode, not taken."""
     cube = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("a", "tp", "b"))

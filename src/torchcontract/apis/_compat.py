@@ -15,7 +15,7 @@ from typing import Any, Final, cast
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, _mesh_resources
 from torch.distributed.fsdp._fully_shard import _fully_shard
 from torch.utils import checkpoint as torch_checkpoint
 
@@ -95,23 +95,32 @@ def fsdp_module_new_runs_init() -> bool:
 
 
 # DeviceMesh._concatenate (2.13 has it; detected, not assumed), with which FSDP2 puts a
-# data-parallel mesh and a tensor-parallel one side by side.
+# data-parallel mesh and a tensor-parallel one side by side. Releases without it (2.6)
+# slice the root mesh by the dims' names instead, as their FSDP2 does.
 _concatenate: Final = cast(
     Callable[[list[DeviceMesh]], DeviceMesh] | None, getattr(DeviceMesh, "_concatenate", None)
 )
+_root_mesh: Final = cast(Callable[[DeviceMesh], DeviceMesh | None], _mesh_resources.get_root_mesh)
 
 
 def concatenate_meshes(meshes: list[DeviceMesh], where: str) -> DeviceMesh:
     """The mesh whose dims are those of ``meshes`` in order, slices of one root mesh.
 
-    Raises ``NotImplementedError`` naming ``where`` on a torch that cannot make it.
+    Raises ``ValueError`` naming ``where`` if the meshes are not named slices of one
+    root (torch's own checks may raise other types first).
     """
-    if _concatenate is None:
-        raise NotImplementedError(
-            f"{where} is a tensor-parallel DTensor; sharding it needs "
-            f"DeviceMesh._concatenate, which torch {torch.__version__} lacks: use a newer torch"
+    if _concatenate is not None:
+        return _concatenate(meshes)
+    names = [name for mesh in meshes for name in (mesh.mesh_dim_names or ())]
+    roots = {id(_root_mesh(mesh)) for mesh in meshes}
+    if len(roots) != 1 or len(names) != sum(mesh.ndim for mesh in meshes):
+        raise ValueError(
+            f"{where}: its meshes must be named slices of one device mesh, as "
+            "init_device_mesh(..., mesh_dim_names=...) makes them"
         )
-    return _concatenate(meshes)
+    root = _root_mesh(meshes[0])
+    assert root is not None  # every mesh has a root, itself at least
+    return root[tuple(names)]
 
 
 #: torch's ``DataParallelMeshDims`` (``fully_shard``'s ``dp_mesh_dims``), or None where this
