@@ -12,6 +12,7 @@ import importlib
 import os
 import re
 import sys
+import tomllib
 import types
 from pathlib import Path
 
@@ -65,11 +66,27 @@ def test_the_pages_that_show_code_are_run() -> None:
     } <= names
 
 
-def test_the_readme_links_into_the_site() -> None:
-    links = re.findall(r"\]\((docs/[^)#]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
-    assert "docs/getting-started.md" in links
-    assert "docs/reference/torchcontract.md" in links
-    assert [link for link in links if not (ROOT / link).is_file()] == []
+#: Where the README's links point: absolute, so they work where PyPI renders the README.
+REPOSITORY = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
+
+
+def _readme_links() -> list[str]:
+    """Every link target of the README, inline (``](...)``) or as a reference (``[x]: ...``)."""
+    text = (ROOT / "README.md").read_text()
+    inline = re.findall(r"\]\(([^)\s]+)\)", text)
+    defined = re.findall(r"^\[[^\]]+\]:\s*(\S+)", text, flags=re.M)
+    return inline + defined
+
+
+def test_the_readme_links_into_the_site_with_absolute_links() -> None:
+    links = _readme_links()
+    assert [link for link in links if not link.startswith("https://")] == []
+    prefix = f"{REPOSITORY}/blob/main/"
+    files = [link.removeprefix(prefix).split("#")[0] for link in links if link.startswith(prefix)]
+    assert "docs/getting-started.md" in files
+    assert "docs/reference/torchcontract.md" in files
+    assert "LICENSE" in files
+    assert [name for name in files if not (ROOT / name).is_file()] == []
 
 
 def _reference_entries() -> dict[str, object]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 from ._contract import (
     AnyContract,
     Application,
@@ -45,6 +47,9 @@ from ._registry import (
 from ._store import StateStore
 from ._transaction import on_rollback
 from ._tree import named_tree, root_modules
+
+#: The release, in one place: the packaging metadata reads it from here.
+__version__: Final = "0.1.0"
 
 __all__ = [
     "AlreadyAppliedError",
