@@ -72,7 +72,8 @@ FUZZED := tests/test_fqn_properties.py tests/test_store_stateful.py tests/test_b
 	tests/test_rules.py tests/test_describe.py tests/test_replicate_buckets.py
 fuzz: $(BIN)/.installed  ## property and stateful tests, random seeds, 10x the examples
 	TORCHCONTRACT_HYPOTHESIS_PROFILE=fuzz $(BIN)/pytest -q -p no:cacheprovider \
-		--hypothesis-show-statistics $(FUZZED)
+		--hypothesis-show-statistics --junitxml=.fuzz.xml $(FUZZED); \
+		status=$$?; $(BIN)/python tools/record_run.py fuzz .fuzz.xml; exit $$status
 
 # Mutation testing of the core with mutmut (config: [tool.mutmut] in pyproject.toml), not
 # in `make test` or CI; tests/mutation/README.md says what the last run found.
@@ -89,4 +90,4 @@ mutate-apis: $(BIN)/.installed  ## behavioural mutants of apis/ and testing
 	$(BIN)/python tools/api_mutants.py
 
 clean:  ## remove .venv, the caches, mutants and site/
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis mutants site
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis mutants site .fuzz.xml

@@ -2,10 +2,10 @@
 
 Builds the sdist and, from it, the wheel of this checkout; both carry the license, and
 the wheel's version is ``torchcontract.__version__``. Then it installs the wheel (not
-editable) with its declared dependencies into a new virtual environment, and there, from a directory outside
-the checkout, runs the API tour of the documentation and type-checks a small strictly typed
-user file with mypy. A module left out of the wheel, a missing ``py.typed`` or a
-wrong dependency fails here.
+editable) with its declared dependencies into a new virtual environment, and there, from a
+directory outside the checkout, runs the API tour of the documentation and type-checks a
+small strictly typed user file with mypy. A module left out of the wheel, a missing
+``py.typed`` or a wrong dependency fails here.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
 # keyed by version and made once: torch at that version, the development requirements but
 # torch, and this checkout installed editable. Prints one line per release and exits
 # non-zero if any release failed. Not part of `make test`: most releases are
-# several-GB downloads.
+# several-GB downloads. Writes the table of this run to docs/generated/compat.md, which the
+# supported-versions page includes: the counts there are never written by hand.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 versions=${COMPAT_TORCH:-"2.6.0 2.13.0 2.14.1"}
@@ -16,6 +17,7 @@ requirements=$(grep -v '^torch==' requirements-dev.txt)
 stamp=$(printf '%s' "$requirements" | sha256sum | cut -c1-12)
 status=0
 summary=()
+rows=()
 for version in $versions; do
   venv="$root/torch-$version"
   if [ ! -f "$venv/.installed-$stamp" ]; then
@@ -36,8 +38,17 @@ for version in $versions; do
   result=$(grep -E '^=*.*(passed|failed|error).* in [0-9.]+s' "$log" | tail -n 1 | tr -d '=' \
     | sed -e 's/^ *//' -e 's/ *$//')
   summary+=("torch $version ($(date -u +%Y-%m-%d)): ${result:-no result, exit $code}")
+  count() { printf '%s' "$result" | grep -oE "[0-9]+ $1" | grep -oE '^[0-9]+' || echo 0; }
+  rows+=("| $version | $(count passed) | $(count skipped) | $(count failed) | $(count error) |")
   [ "$code" -eq 0 ] || status=1
 done
 printf '\n'
 printf '%s\n' "${summary[@]}"
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+{
+  printf 'Written by `make compat` on %s UTC, commit %s, %s cores, load average %s at the end:\n\n' \
+    "$(date -u '+%Y-%m-%d %H:%M')" "$commit" "$(nproc)" "$(cut -d' ' -f1-3 /proc/loadavg)"
+  printf '| torch | passed | skipped | failed | errors |\n|---|---:|---:|---:|---:|\n'
+  printf '%s\n' "${rows[@]}"
+} >docs/generated/compat.md
 exit "$status"
