@@ -43,10 +43,11 @@ unit: $(BIN)/.installed  ## pytest: unit, typing, distributed (gloo on CPU) and 
 	@$(BIN)/python -c 'import platform, torch; print(f"testing against torch {torch.__version__} (Python {platform.python_version()})")'
 	$(BIN)/pytest -q
 
-# On a machine with CUDA: the parity tests that fit one device (pytest marker "gpu");
+# On a machine with CUDA: the parity tests that fit one device (pytest marker "gpu", which
+# every other run deselects);
 # without CUDA they are skipped, and the command says so. Not in `make test` or CI.
 test-gpu: $(BIN)/.installed  ## parity tests on one CUDA device (skipped without CUDA)
-	$(BIN)/pytest -q -p no:cacheprovider -m gpu -rs tests/gpu
+	$(BIN)/pytest -q -p no:cacheprovider -m gpu -rs tests/distributed/test_cuda_parity.py
 
 # `make demo DEMO_ARGS=--hsdp`: fully_shard as HSDP on 4 processes (2 replicas x 2 shards).
 DEMO_ARGS ?=
