@@ -147,6 +147,21 @@ def test_the_pages_include_the_generated_figures() -> None:
     assert '--8<-- "docs/generated/fuzz.md"' in (DOCS / "development.md").read_text()
 
 
+def test_troubleshooting_explains_every_exception_the_library_raises() -> None:
+    page = (DOCS / "troubleshooting.md").read_text()
+    headings = set(re.findall(r"^## (\w+)$", page, flags=re.M))
+    exceptions = {
+        name
+        for module in PUBLIC_MODULES
+        for name in module.__all__
+        if isinstance(getattr(module, name), type)
+        and issubclass(getattr(module, name), BaseException)
+    }
+    assert len(exceptions) >= 18
+    assert sorted(exceptions - headings) == []
+    assert sorted(headings - exceptions) == []
+
+
 def _reference_entries() -> dict[str, object]:
     """The objects the API reference documents, by the path each ``:::`` entry names."""
     text = "\n".join(page.read_text() for page in sorted((DOCS / "reference").glob("*.md")))
