@@ -258,13 +258,17 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def roots_of_one_list_apply_share_one_record(self) -> None:
-        for (handle, index), cell in self.cells.items():
-            for (other, other_index), other_cell in self.cells.items():
-                if index == other_index:
-                    same = self.apis[index].state(self._module(handle)) is self.apis[index].state(
-                        self._module(other)
-                    )
-                    assert same == (cell is other_cell)
+        # Per API, the model's cells and the store's records must partition the modules
+        # alike: one record per cell, shared by exactly the modules that share the cell.
+        for index, api in enumerate(self.apis):
+            records: dict[int, int] = {}  # id(cell) -> id(record)
+            seen: dict[int, int] = {}  # id(record) -> id(cell)
+            for (handle, cell_index), cell in self.cells.items():
+                if cell_index != index:
+                    continue
+                record = api.state(self._module(handle))
+                assert records.setdefault(id(cell), id(record)) == id(record)
+                assert seen.setdefault(id(record), id(cell)) == id(cell)
 
     @invariant()
     def store_holds_exactly_the_live_modules_with_records(self) -> None:
