@@ -2,8 +2,15 @@
 VENV   := .venv
 BIN    := $(VENV)/bin
 PYTHON ?= python3
+.DEFAULT_GOAL := help
 
-.PHONY: test lint typecheck docs unit demo bench dist compat fuzz mutate mutate-apis clean
+.PHONY: help test lint typecheck docs docs-serve unit test-gpu demo bench dist compat fuzz mutate \
+	mutate-apis clean
+
+# `make help`: every target with its one line, the text after `##` on the target's line
+# (tests/test_commands.py checks that every target has one).
+help:  ## list the targets
+	@awk -F':.*## ' '/^[a-z][a-z-]*:.*## / { printf "  make %-12s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
 
 $(BIN)/.installed: pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -11,42 +18,52 @@ $(BIN)/.installed: pyproject.toml requirements-dev.txt
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e .
 	touch $@
 
-test: lint typecheck docs unit
+test: lint typecheck docs unit  ## lint, typecheck, docs and unit: what CI runs
 
-lint: $(BIN)/.installed
+lint: $(BIN)/.installed  ## ruff check, ruff format --check and lint-imports
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 
-typecheck: $(BIN)/.installed
+typecheck: $(BIN)/.installed  ## mypy --strict and basedpyright strict
 	$(BIN)/mypy
 	$(BIN)/mypy --disallow-any-expr examples
 	$(BIN)/basedpyright
 
 # The documentation site, into site/: strict, so a broken link, a missing reference entry or
 # a docstring that does not render fails the build. tests/test_docs.py runs the pages' code.
-docs: $(BIN)/.installed
+docs: $(BIN)/.installed  ## the documentation site into site/, mkdocs build --strict
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-unit: $(BIN)/.installed
+# The site served with live reload; site/index.html also opens straight from the disk.
+docs-serve: $(BIN)/.installed  ## serve the documentation site on http://127.0.0.1:8000
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict
+
+unit: $(BIN)/.installed  ## pytest: unit, typing, distributed (gloo on CPU) and docs tests
 	@$(BIN)/python -c 'import platform, torch; print(f"testing against torch {torch.__version__} (Python {platform.python_version()})")'
 	$(BIN)/pytest -q
 
+# On a machine with CUDA: the parity tests that fit one device (pytest marker "gpu", which
+# every other run deselects);
+# without CUDA they are skipped, and the command says so. Not in `make test` or CI.
+test-gpu: $(BIN)/.installed  ## parity tests on one CUDA device (skipped without CUDA)
+	$(BIN)/pytest -q -p no:cacheprovider -m gpu -rs tests/distributed/test_cuda_parity.py
+
 # `make demo DEMO_ARGS=--hsdp`: fully_shard as HSDP on 4 processes (2 replicas x 2 shards).
 DEMO_ARGS ?=
-demo: $(BIN)/.installed
+demo: $(BIN)/.installed  ## train a small GPT on 2 gloo processes (DEMO_ARGS=--hsdp: 4)
 	$(BIN)/python -m torchcontract.demo $(DEMO_ARGS)
 
-bench: $(BIN)/.installed
+bench: $(BIN)/.installed  ## the benchmarks against torch; writes benchmarks/results/
 	$(BIN)/python -m benchmarks.report
 
-dist: $(BIN)/.installed
+dist: $(BIN)/.installed  ## sdist and wheel into dist/, checked by twine check --strict
 	rm -rf dist
 	$(BIN)/python -m build --no-isolation --outdir dist .
 	$(BIN)/twine check --strict dist/*
 
 # The tests against several torch releases, each in its own cached venv outside the repo.
-compat:
+compat:  ## the test suite against several torch releases; writes docs/generated/compat.md
 	bash tools/compat.sh
 
 # Before a release, not in CI: the property and stateful tests with random seeds, ten
@@ -54,13 +71,14 @@ compat:
 FUZZED := tests/test_fqn_properties.py tests/test_store_stateful.py tests/test_bad_input.py \
 	tests/test_store.py tests/test_state.py tests/test_contract.py tests/test_registry.py \
 	tests/test_rules.py tests/test_describe.py tests/test_replicate_buckets.py
-fuzz: $(BIN)/.installed
+fuzz: $(BIN)/.installed  ## property and stateful tests, random seeds, 10x the examples
 	TORCHCONTRACT_HYPOTHESIS_PROFILE=fuzz $(BIN)/pytest -q -p no:cacheprovider \
-		--hypothesis-show-statistics $(FUZZED)
+		--hypothesis-show-statistics --junitxml=.fuzz.xml $(FUZZED); \
+		status=$$?; $(BIN)/python tools/record_run.py fuzz .fuzz.xml; exit $$status
 
 # Mutation testing of the core with mutmut (config: [tool.mutmut] in pyproject.toml), not
 # in `make test` or CI; tests/mutation/README.md says what the last run found.
-mutate: $(BIN)/.installed
+mutate: $(BIN)/.installed  ## mutation testing of the core with mutmut
 	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements-mutate.txt
 	rm -rf mutants
 	TORCHCONTRACT_HYPOTHESIS_PROFILE=mutate $(BIN)/mutmut run --max-children 2 || true
@@ -69,8 +87,8 @@ mutate: $(BIN)/.installed
 # Behavioural mutants of apis/ and testing (tools/api_mutants.py holds the list), each
 # applied alone to a temporary copy of the source, with the tests that should catch it;
 # not in `make test` or CI. Writes tests/mutation/apis.md.
-mutate-apis: $(BIN)/.installed
+mutate-apis: $(BIN)/.installed  ## behavioural mutants of apis/ and testing
 	$(BIN)/python tools/api_mutants.py
 
-clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis mutants site
+clean:  ## remove .venv, the caches, mutants and site/
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis mutants site .fuzz.xml

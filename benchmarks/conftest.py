@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,3 +26,11 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Mod
     ):
         return pytest.Module.from_parent(parent, path=file_path)
     return None
+
+
+def pytest_benchmark_update_machine_info(
+    config: pytest.Config, machine_info: dict[str, Any]
+) -> None:
+    """Record the cores and the load when the run started: the tables say what they ran on."""
+    machine_info["cpu_count"] = os.cpu_count()
+    machine_info["load_average"] = list(os.getloadavg())

@@ -4,8 +4,9 @@ Writes, under ``benchmarks/results/``: ``benchmarks.json`` (pytest-benchmark's r
 output), ``RESULTS.md`` (medians of both libraries side by side, the ratio
 torchcontract / torch, growth from 64 to 512 blocks, bytes per module, and the
 machine); ``docs/images/apply_scaling.png`` (apply time against module count,
-log-log); and the results section of the documentation's performance page,
-``docs/performance.md``. ``python -m benchmarks.report --no-run`` rebuilds all
+log-log); ``training-steps.md`` (the training-step rows, which the performance and
+``fully_shard`` pages both include); and the results section of the documentation's
+performance page, ``docs/performance.md``. ``python -m benchmarks.report --no-run`` rebuilds all
 but the JSON from the last run's.
 """
 
@@ -31,6 +32,10 @@ HERE: Final = Path(__file__).resolve().parent
 RESULTS: Final = HERE / "results"
 RAW: Final = RESULTS / "benchmarks.json"
 TABLE: Final = RESULTS / "RESULTS.md"
+#: The training steps against PyTorch's APIs, included as written by the pages that quote them.
+STEPS: Final = RESULTS / "training-steps.md"
+#: How a page includes STEPS (pymdownx.snippets, from the repository's root).
+STEPS_INCLUDE: Final = f'--8<-- "{STEPS.relative_to(HERE.parent)}"'
 ROOT: Final = HERE.parent
 PLOT: Final = ROOT / "docs" / "images" / "apply_scaling.png"
 PAGE: Final = ROOT / "docs" / "performance.md"
@@ -66,6 +71,8 @@ GROWTH_FROM, GROWTH_TO = 64, 512
 #: (bench_fully_shard_scale.py). Targets: at most torch's time at every size, and growth
 #: from 128 to 1,024 layers within 10% of the growth in modules.
 SCALE_WORKLOAD: Final = "fully_shard per layer then root, meta Llama-7B layers, 64 fake ranks"
+#: How the tables name that workload (the text above them says what it is).
+SCALE_LABEL: Final = "fully_shard at scale"
 SCALE_RATIO_TARGET: Final = 1.0
 SCALE_GROWTH_FROM, SCALE_GROWTH_TO = 128, 1024
 SCALE_GROWTH_SLACK: Final = 1.1
@@ -210,14 +217,24 @@ def _alternating_target(workload: str) -> float:
     return ALTERNATING_TARGETS[api]
 
 
-def time_table(results: Sequence[Result]) -> list[str]:
-    """The markdown table of medians, torchcontract and torch side by side."""
+def _is_step(workload: str) -> bool:
+    return workload.startswith("training step")
+
+
+def time_table(results: Sequence[Result], *, steps: bool = False) -> list[str]:
+    """The markdown table of medians, torchcontract and torch side by side.
+
+    The training steps (``steps=True``) or everything else: the steps have a table of
+    their own, which the pages that quote them include.
+    """
     lines = [
-        "| workload | blocks | modules | torchcontract | torch | torchcontract / torch "
-        "| target | other |",
-        "|---|---:|---:|---:|---:|---:|---|---|",
+        "| workload | blocks | modules | torchcontract | torch | ratio | target |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
+    notes: list[str] = []
     for workload, blocks, by_library in _rows(results):
+        if _is_step(workload) != steps:
+            continue
         ours, theirs = by_library.get(OURS), by_library.get(TORCH)
         any_result = next(iter(by_library.values()))
         per_call = " per call" if any_result.calls else ""
@@ -244,16 +261,18 @@ def time_table(results: Sequence[Result]) -> list[str]:
                         f"; {name}: {result.alternating_ms} ms, {OURS} / it "
                         f"{ours.alternating_ms / result.alternating_ms:.3f}"
                     )
+        label = SCALE_LABEL if workload == SCALE_WORKLOAD else workload
+        if others:
+            notes.append(f"- {label}{per_call}, {blocks or ''} blocks: {others}")
         lines.append(
-            f"| {workload}{per_call} | {blocks if blocks is not None else ''} "
+            f"| {label}{per_call} | {blocks if blocks is not None else ''} "
             f"| {any_result.modules or ''} "
             f"| {format_time(ours.per_call) if ours else ''} "
             f"| {format_time(theirs.per_call) if theirs else ''} "
             f"| {f'{ratio:.2f}' if ratio is not None else ''} "
-            f"| {_verdict(ratio, target) if ratio is not None and target else ''} "
-            f"| {others} |"
+            f"| {_verdict(ratio, target) if ratio is not None and target else ''} |"
         )
-    return lines
+    return [*lines, "", *notes] if notes else lines
 
 
 def growth_table(results: Sequence[Result]) -> list[str]:
@@ -330,7 +349,9 @@ def per_module_table(results: Sequence[Result], workload: str = "root apply") ->
         return []
     by_key = {(r.library, r.blocks): r for r in results if r.workload == workload}
     lines = [
-        f"| {workload}, per module | " + " | ".join(f"{blocks} blocks" for blocks in sized) + " |",
+        f"| {SCALE_LABEL if workload == SCALE_WORKLOAD else workload}, per module | "
+        + " | ".join(f"{blocks} blocks" for blocks in sized)
+        + " |",
         "|---|" + "---:|" * len(sized),
     ]
     for library in (OURS, TORCH):
@@ -365,10 +386,18 @@ def memory_table(results: Sequence[Result]) -> list[str]:
 
 
 def machine(document: dict[str, Any]) -> str:
-    """CPU model, cores, Python and torch versions, and when the run happened."""
-    cpu = _cpu_model() or document["machine_info"].get("cpu", {}).get("brand_raw") or "unknown"
+    """CPU model, cores, load, Python and torch versions, and when the run happened."""
+    info: dict[str, Any] = document["machine_info"]
+    cpu = _cpu_model() or info.get("cpu", {}).get("brand_raw") or "unknown"
+    load = info.get("load_average")
+    loaded = (
+        f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min) at the start"
+        if load
+        else "load not recorded"
+    )
     return (
-        f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}; "
+        f"{cpu}, {info.get('cpu_count') or os.cpu_count()} cores, {loaded}, "
+        f"{platform.system()} {platform.machine()}; "
         f"Python {platform.python_version()}, torch {_version('torch')}, "
         f"torchcontract {_version('torchcontract')}, pytest-benchmark "
         f"{_version('pytest-benchmark')}; run {document['datetime'][:19].replace('T', ' ')} UTC"
@@ -409,9 +438,12 @@ def markdown(results: Sequence[Result], document: dict[str, Any]) -> str:
         "every live object is frozen out of the garbage collector's reach until the round "
         "ends (`gc.freeze`). Lookups and updates are timed over every block of the "
         "model and shown per call. Model: per block two LayerNorms, attention with q/k/v/o "
-        "Linear layers, an MLP with up/act/down/dropout (13 modules, 16 parameters).",
+        "Linear layers, an MLP with up/act/down/dropout (13 modules, 16 parameters). "
+        f'The rows "{SCALE_LABEL}": {SCALE_WORKLOAD}.',
         "",
         *time_table(results),
+        "",
+        *steps_section(results, document),
         "",
         f"Growth from {GROWTH_FROM} to {GROWTH_TO} blocks (time at {GROWTH_TO} over time at "
         f"{GROWTH_FROM}; the module count grows ×{_module_growth(results)}, so that is linear):",
@@ -453,6 +485,41 @@ def markdown(results: Sequence[Result], document: dict[str, Any]) -> str:
         ]
     parts += [PLOT_LINE, ""]
     return "\n".join(parts)
+
+
+def steps_section(results: Sequence[Result], document: dict[str, Any]) -> list[str]:
+    """The training steps against DDP and FSDP2, with the run's machine: STEPS' text."""
+    return [
+        "Training steps, `replicate` against `DistributedDataParallel` and `fully_shard` against "
+        "PyTorch's `fully_shard`, on 2 gloo ranks (wall time; the targets apply to the in-rank "
+        f"medians of alternating steps). Written by `make bench` on {machine(document)}:",
+        "",
+        *steps_table(results),
+    ]
+
+
+def steps_table(results: Sequence[Result]) -> list[str]:
+    """The training steps: each library's median, and the in-rank alternating medians."""
+    lines = [
+        "| training step, 2 gloo ranks | torchcontract | torch | ratio "
+        "| in-rank, alternating: torchcontract | torch | ratio | target |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for workload, _, by_library in _rows(results):
+        ours, theirs = by_library.get(OURS), by_library.get(TORCH)
+        if not _is_step(workload) or not ours or not theirs:
+            continue
+        name = workload.removeprefix("training step, ").replace(" on 2 gloo ranks", "")
+        name = f"{name}, replicate" if "fully_shard" not in name else name
+        alternating = ours.alternating_ratio
+        lines.append(
+            f"| {name} | {format_time(ours.per_call)} | {format_time(theirs.per_call)} "
+            f"| {ours.per_call / theirs.per_call:.2f} "
+            f"| {ours.alternating_ms or ''} ms | {theirs.alternating_ms or ''} ms "
+            f"| {f'{alternating:.3f}' if alternating is not None else ''} "
+            f"| {_verdict(alternating, _alternating_target(workload)) if alternating else ''} |"
+        )
+    return lines
 
 
 def _module_growth(results: Iterable[Result]) -> str:
@@ -505,6 +572,8 @@ def update_page(results_markdown: str) -> None:
     body = results_markdown.replace("# Benchmark results\n\n", "", 1).replace(
         PLOT_LINE, f"![{PLOT_CAPTION}]({PLOT.relative_to(PAGE.parent)})"
     )
+    steps = STEPS.read_text().strip()
+    body = body.replace(steps, STEPS_INCLUDE)
     PAGE.write_text(f"{page[: start + len(PAGE_START)]}\n{body.strip()}\n{page[end:]}")
 
 
@@ -521,12 +590,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     results, document = load(RAW)
     text = markdown(results, document)
     TABLE.write_text(text)
+    STEPS.write_text("\n".join(steps_section(results, document)) + "\n")
     plot(results, PLOT)
     update_page(text)
     print()
     print(text)
     print(
-        f"Wrote {TABLE.relative_to(ROOT)}, {PLOT.relative_to(ROOT)} and {PAGE.relative_to(ROOT)}."
+        f"Wrote {TABLE.relative_to(ROOT)}, {STEPS.relative_to(ROOT)}, {PLOT.relative_to(ROOT)} "
+        f"and {PAGE.relative_to(ROOT)}."
     )
 
 

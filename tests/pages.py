@@ -23,8 +23,8 @@ README = ROOT / "README.md"
 
 
 def pages() -> list[Path]:
-    """The README, then every page of the documentation site."""
-    return [README, *sorted(DOCS.rglob("*.md"))]
+    """The README, then every page of the documentation site (not what commands write there)."""
+    return [README, *sorted(path for path in DOCS.rglob("*.md") if "generated" not in path.parts)]
 
 
 def code_blocks(page: Path, language: str) -> list[str]:

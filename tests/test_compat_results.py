@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "tools" / "compat-results"
+RESULTS = ROOT / "docs" / "generated" / "compat"
 
 LOG = """\
 ........s.....F
@@ -44,7 +44,7 @@ def test_the_supported_versions_page_includes_every_release_compat_runs() -> Non
     page = (ROOT / "docs" / "supported-versions.md").read_text()
     for version in match.group(1).split():
         for name in (f"torch-{version}.md", f"torch-{version}-skips.md"):
-            assert f'--8<-- "tools/compat-results/{name}"' in page
+            assert f'--8<-- "docs/generated/compat/{name}"' in page
             assert (RESULTS / name).is_file()
         row = (RESULTS / f"torch-{version}.md").read_text()
         assert row.startswith(f"| {version} | ")

@@ -8,10 +8,12 @@ with ``mkdocs build --strict`` and asks the network for nothing.
 
 from __future__ import annotations
 
+import html
 import importlib
 import os
 import re
 import sys
+import tomllib
 import types
 from pathlib import Path
 
@@ -65,11 +67,98 @@ def test_the_pages_that_show_code_are_run() -> None:
     } <= names
 
 
-def test_the_readme_links_into_the_site() -> None:
-    links = re.findall(r"\]\((docs/[^)#]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
-    assert "docs/getting-started.md" in links
-    assert "docs/reference/torchcontract.md" in links
-    assert [link for link in links if not (ROOT / link).is_file()] == []
+#: Where the README's links point: absolute, so they work where PyPI renders the README.
+REPOSITORY = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
+
+
+def _readme_links() -> list[str]:
+    """Every link target of the README, inline (``](...)``) or as a reference (``[x]: ...``)."""
+    text = (ROOT / "README.md").read_text()
+    inline = re.findall(r"\]\(([^)\s]+)\)", text)
+    defined = re.findall(r"^\[[^\]]+\]:\s*(\S+)", text, flags=re.M)
+    return inline + defined
+
+
+def test_the_readme_links_into_the_site_with_absolute_links() -> None:
+    links = _readme_links()
+    assert [link for link in links if not link.startswith("https://")] == []
+    prefix = f"{REPOSITORY}/blob/main/"
+    files = [link.removeprefix(prefix).split("#")[0] for link in links if link.startswith(prefix)]
+    assert "docs/getting-started.md" in files
+    assert "docs/reference/torchcontract.md" in files
+    assert "LICENSE" in files
+    assert [name for name in files if not (ROOT / name).is_file()] == []
+
+
+#: Files commands write for the pages to include: figures there are generated.
+GENERATED = [
+    ROOT / "benchmarks" / "results" / "RESULTS.md",
+    ROOT / "benchmarks" / "results" / "training-steps.md",
+    *sorted((DOCS / "generated").glob("*.md")),
+]
+#: A test count as a page would write it ("1,204 passed", "914 tests").
+TEST_COUNT = re.compile(r"\b\d[\d,]* (?:tests? )?(?:passed|failed|skipped)\b|\b\d[\d,]* tests\b")
+#: A time as the benchmark tables write it ("52.2 ms", "8.91 µs", "1.68 s").
+TIME = re.compile(r"(?<![\d.])\d+(?:\.\d+)? (?:ns|µs|ms|s)\b")
+
+
+def _handwritten(page: Path) -> str:
+    """``page``'s own text: without the region ``make bench`` writes into the performance page."""
+    text = page.read_text()
+    start, end = (
+        "<!-- benchmark results: written by make bench -->",
+        "<!-- end of benchmark results -->",
+    )
+    if start in text:
+        text = text[: text.index(start)] + text[text.index(end) :]
+    return text
+
+
+def _table_pairs(path: Path) -> set[tuple[str, str]]:
+    """The (torchcontract, torch) times of each row of a table ``make bench`` writes."""
+    pairs = set()
+    for line in path.read_text().splitlines():
+        times = TIME.findall(line)
+        if line.startswith("|") and len(times) >= 2:
+            pairs.add((times[0], times[1]))
+    return pairs
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda page: str(page.relative_to(ROOT)))
+def test_no_page_writes_a_generated_number_by_hand(page: Path) -> None:
+    text = _handwritten(page)
+    assert TEST_COUNT.findall(text) == [], "include docs/generated/ instead"
+    # A row of the benchmark tables, both libraries' figures: a page includes the table.
+    written = set(TIME.findall(text))
+    copied = sorted(
+        pair
+        for path in GENERATED
+        for pair in _table_pairs(path)
+        if path.parent.name == "results" and set(pair) <= written
+    )
+    assert copied == [], f"include the table that `make bench` writes instead of {copied}"
+
+
+def test_the_pages_include_the_generated_figures() -> None:
+    steps = '--8<-- "benchmarks/results/training-steps.md"'
+    assert steps in (DOCS / "fully-shard.md").read_text()
+    assert steps in (DOCS / "performance.md").read_text()
+    assert '--8<-- "docs/generated/fuzz.md"' in (DOCS / "development.md").read_text()
+
+
+def test_troubleshooting_explains_every_exception_the_library_raises() -> None:
+    page = (DOCS / "troubleshooting.md").read_text()
+    headings = set(re.findall(r"^## (\w+)$", page, flags=re.M))
+    exceptions = {
+        name
+        for module in PUBLIC_MODULES
+        for name in module.__all__
+        if isinstance(getattr(module, name), type)
+        and issubclass(getattr(module, name), BaseException)
+    }
+    assert len(exceptions) >= 18
+    assert sorted(exceptions - headings) == []
+    assert sorted(headings - exceptions) == []
 
 
 def _reference_entries() -> dict[str, object]:
@@ -142,3 +231,43 @@ def test_site_builds_strictly_and_fetches_nothing(tmp_path: Path) -> None:
         if path.suffix in {".html", ".css"} and remote.search(path.read_text())
     ]
     assert not fetched, f"pages that load something from the network: {fetched}"
+    _check_the_reference_names_nothing_private(site)
+    _check_links_work_from_the_disk(site)
+
+
+def _text_of(page: Path) -> str:
+    """The visible text of a page's article (not the navigation), tags and entities undone."""
+    document = page.read_text()
+    article = document[document.index("<article") : document.index("</article>")]
+    return re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", "", article)))
+
+
+def _check_the_reference_names_nothing_private(site: Path) -> None:
+    """No ``_Name`` in the API reference: no private type variable, sentinel or helper."""
+    found = {
+        page.name: sorted(set(re.findall(r"(?<![\w.])_[A-Za-z]\w*", _text_of(page))))
+        for page in sorted((site / "reference").glob("*.html"))
+    }
+    assert set(found) == {"torchcontract.html", "apis.html", "testing.html"}
+    assert {name: names for name, names in found.items() if names} == {}
+    reference = _text_of(site / "reference" / "apis.html")
+    assert "mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()" in reference
+    assert "-> Module | list[Module]" in reference  # fully_shard returns what it was given
+    links = (site / "reference" / "torchcontract.html").read_text()
+    for target in (
+        "https://docs.python.org/3/library/typing.html#typing.Any",
+        "https://docs.pytorch.org/docs/stable/generated/torch.nn.Module.html#torch.nn.Module",
+        "https://www.attrs.org/en/stable/api.html#attrs.evolve",
+    ):
+        assert f'href="{target}"' in links
+
+
+def _check_links_work_from_the_disk(site: Path) -> None:
+    """Every link between pages names an .html file that exists (site/ opened via file://)."""
+    for page in site.rglob("*.html"):
+        if page.name == "404.html":  # a server's page for any path: its links are absolute
+            continue
+        for link in re.findall(r'<a [^>]*href="([^"#:]*)(?:#[^"]*)?"', page.read_text()):
+            if link and not link.endswith((".css", ".js", ".png", ".xml", ".gz", ".inv")):
+                assert link.endswith(".html"), f"{page.relative_to(site)} links to {link}"
+                assert (page.parent / link).resolve().is_file(), f"{page.name}: {link}"

@@ -1,10 +1,11 @@
 """The built wheel, installed alone in a fresh environment, works as the documentation says.
 
-Builds the wheel from this checkout, installs it (not editable) with its declared
-dependencies into a new virtual environment, and there, from a directory outside
-the checkout, runs the API tour of the documentation and type-checks a small strictly typed
-user file with mypy. A module left out of the wheel, a missing ``py.typed`` or a
-wrong dependency fails here.
+Builds the sdist and, from it, the wheel of this checkout; both carry the license, and
+the wheel's version is ``torchcontract.__version__``. Then it installs the wheel (not
+editable) with its declared dependencies into a new virtual environment, and there, from a
+directory outside the checkout, runs the API tour of the documentation and type-checks a
+small strictly typed user file with mypy. A module left out of the wheel, a missing
+``py.typed`` or a wrong dependency fails here.
 """
 
 from __future__ import annotations
@@ -12,12 +13,16 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tarfile
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
 from commands import run_command
 from pages import DOCS, code_blocks
+
+import torchcontract
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,7 +76,7 @@ def test_built_wheel_runs_the_tour_and_type_checks_in_a_fresh_environment(
     # Built from a copy of what the wheel is made of, so the checkout gets no build files.
     source = tmp_path / "source"
     source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md", "MANIFEST.in"):
         shutil.copy(ROOT / name, source / name)
     shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("*.egg-info"))
     dist = tmp_path / "dist"
@@ -79,7 +84,6 @@ def test_built_wheel_runs_the_tour_and_type_checks_in_a_fresh_environment(
         sys.executable,
         "-m",
         "build",
-        "--wheel",
         "--no-isolation",
         "--outdir",
         dist,
@@ -87,6 +91,19 @@ def test_built_wheel_runs_the_tour_and_type_checks_in_a_fresh_environment(
         cwd=tmp_path,
     )
     (wheel,) = dist.glob("torchcontract-*.whl")
+    (sdist,) = dist.glob("torchcontract-*.tar.gz")
+    version = torchcontract.__version__
+    assert wheel.name.startswith(f"torchcontract-{version}-")
+    license_text = (ROOT / "LICENSE").read_text()
+    assert license_text.startswith("BSD 3-Clause License")
+    with zipfile.ZipFile(wheel) as archive:
+        licensed = archive.read(f"torchcontract-{version}.dist-info/licenses/LICENSE")
+        metadata = archive.read(f"torchcontract-{version}.dist-info/METADATA").decode()
+    assert licensed.decode() == license_text
+    assert "License-Expression: BSD-3-Clause" in metadata
+    with tarfile.open(sdist) as archive:
+        names = set(archive.getnames())
+    assert {f"torchcontract-{version}/LICENSE", f"torchcontract-{version}/CHANGELOG.md"} <= names
     venv = tmp_path / "venv"
     _run(sys.executable, "-m", "venv", venv, cwd=tmp_path)
     python = venv / "bin" / "python"

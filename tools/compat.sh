@@ -7,7 +7,7 @@
 # non-zero if any release failed. Not part of `make test`: most releases are
 # several-GB downloads.
 #
-# Each release's result is written to tools/compat-results/torch-<version>.md (a table row)
+# Each release's result is written to docs/generated/compat/torch-<version>.md (a table row)
 # and torch-<version>-skips.md (why tests were skipped, with counts), by
 # tools/compat_results.py: docs/supported-versions.md includes both, so its figures are the
 # ones this script measured.
@@ -21,6 +21,7 @@ requirements=$(grep -v '^torch==' requirements-dev.txt)
 stamp=$(printf '%s' "$requirements" | sha256sum | cut -c1-12)
 status=0
 summary=()
+rows=()
 for version in $versions; do
   venv="$root/torch-$version"
   if [ ! -f "$venv/.installed-$stamp" ]; then
@@ -42,7 +43,7 @@ for version in $versions; do
     | sed -e 's/^ *//' -e 's/ *$//')
   summary+=("torch $version ($(date -u +%Y-%m-%d)): ${result:-no result, exit $code}")
   [ "$code" -eq 0 ] || status=1
-  "$python" tools/compat_results.py "$version" "$log" "$code" "tools/compat-results"
+  "$python" tools/compat_results.py "$version" "$log" "$code" docs/generated/compat
 done
 printf '\n'
 printf '%s\n' "${summary[@]}"

@@ -2,7 +2,7 @@
 
 Usage: ``python tools/compat_results.py VERSION LOG EXIT_CODE DIRECTORY``. Reads pytest's
 log (run with ``-ra``, as pyproject.toml sets) and writes ``torch-VERSION.md``, one table
-row (release, date, passed, skipped, failed, the machine's cores and load), and
+row (release, date, commit, passed, skipped, failed, the machine's cores and load), and
 ``torch-VERSION-skips.md``, each distinct skip reason with its count, most frequent first.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -44,8 +45,12 @@ def main(version: str, log_path: str, code: str, directory: str) -> None:
     found = counts(log)
     load = os.getloadavg()[0]
     note = "" if code == "0" else f" (exit {code})"
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
     row = (
-        f"| {version} | {datetime.date.today().isoformat()} | {found['passed']:,} | "
+        f"| {version} | {datetime.date.today().isoformat()} | {commit or 'unknown'} | "
+        f"{found['passed']:,} | "
         f"{found['skipped']:,} | {found['failed']:,}{note} | {os.cpu_count()} cores, "
         f"load {load:.1f} |\n"
     )

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 from ._contract import (
     AnyContract,
     Application,
     Contract,
+    ContractDecorator,
     EmptyState,
     ModuleContract,
     ModuleListContract,
@@ -46,6 +49,9 @@ from ._store import StateStore
 from ._transaction import on_rollback
 from ._tree import named_tree, root_modules
 
+#: The release, in one place: the packaging metadata reads it from here.
+__version__: Final = "0.1.0"
+
 __all__ = [
     "AlreadyAppliedError",
     "AlreadyManagedError",
@@ -53,6 +59,7 @@ __all__ = [
     "Application",
     "ArgumentBindingError",
     "Contract",
+    "ContractDecorator",
     "ContractError",
     "CyclicModuleTreeError",
     "EmptyState",

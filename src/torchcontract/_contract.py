@@ -386,8 +386,8 @@ class Contract(Generic[_P, _R_co, _S]):
     def state(self, module: nn.Module) -> _S:
         """The record of ``module``: one dictionary lookup, safe in hooks and under compile.
 
-        Each instance answers through the closure ``_state_reader`` made for it,
-        which its ``__dict__`` holds under this name; this method only defers to it.
+        Each contract answers through a closure made for it when the contract is made,
+        held in its ``__dict__`` under this name; this method only defers to it.
 
         Args:
             module: A module the API is applied to (each root of a list apply).
@@ -486,8 +486,8 @@ class Contract(Generic[_P, _R_co, _S]):
         ``transition`` runs exactly once, under the store's write lock, so concurrent
         updates never lose one another; it should be quick and must not wait on other
         threads. If it raises, or returns something other than a record of the state
-        class, the record is unchanged. Like ``state``, each instance answers through a
-        closure (``_updater``) in its ``__dict__``; this method only defers to it.
+        class, the record is unchanged. Like ``state``, each contract answers through a
+        closure made for it, held in its ``__dict__``; this method only defers to it.
 
         Args:
             module: A module the API is applied to.
@@ -796,8 +796,15 @@ def _check_state_class(state_cls: object) -> tuple[str, ...]:
     return fields
 
 
-class _Decorator(Generic[_S]):
-    """What ``contract(...)`` returns: turns an API function into a ``Contract``."""
+class ContractDecorator(Generic[_S]):
+    """What ``contract(...)`` returns: called on an API function, it makes its ``Contract``.
+
+    Never constructed directly. Its overloads type the result by the function's shape:
+    a function of ``(module: nn.Module, ...)`` returning ``None`` gives a
+    ``ModuleContract``, of ``nn.Module | list[nn.Module]`` a ``ModuleListContract``, of
+    ``nn.Module | Sequence[nn.Module]`` a ``ModuleSequenceContract``; any other function a
+    ``Contract`` over its own signature and return type.
+    """
 
     def __init__(
         self,
@@ -860,7 +867,7 @@ def contract(
     store: StateStore | None = ...,
     incompatible_with: Iterable[Incompatible] = ...,
     strict: bool = ...,
-) -> _Decorator[EmptyState]: ...
+) -> ContractDecorator[EmptyState]: ...
 @overload
 def contract(
     state_cls: type[_S],
@@ -868,14 +875,14 @@ def contract(
     store: StateStore | None = ...,
     incompatible_with: Iterable[Incompatible] = ...,
     strict: bool = ...,
-) -> _Decorator[_S]: ...
+) -> ContractDecorator[_S]: ...
 def contract(
     state_cls: type[Any] = EmptyState,
     *,
     store: StateStore | None = None,
     incompatible_with: Iterable[Incompatible] = (),
     strict: bool = True,
-) -> _Decorator[Any]:
+) -> ContractDecorator[Any]:
     """Make a composable API of ``func(module, *args, **kwargs) -> module | None``.
 
     Used as a decorator, ``@contract(StateClass)`` on the API function. Calling the
@@ -907,7 +914,7 @@ def contract(
         InvalidStateClassError: ``state_cls`` is not a frozen attrs class whose fields
             all have defaults, or its default record holds a module.
     """
-    return _Decorator(
+    return ContractDecorator(
         state_cls,
         _check_state_class(state_cls),
         DEFAULT_STORE if store is None else store,

@@ -39,7 +39,7 @@ class NotAppliedError(ContractError, LookupError):
 
 
 class CyclicModuleTreeError(ContractError):
-    """The module tree contains a module inside itself: a reference cycle through ``_modules``."""
+    """The module tree contains a module inside itself: a cycle of child references."""
 
 
 class FQNChangedError(ContractError):
