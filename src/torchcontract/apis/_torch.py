@@ -14,6 +14,7 @@ from typing import Any, Final, ParamSpec, TypeVar, cast
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.algorithms.join import _JoinConfig
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils.hooks import RemovableHandle
 
@@ -27,6 +28,7 @@ __all__ = [
     "all_gather_objects_over",
     "all_reduce",
     "all_reduce_blocking",
+    "all_reduce_max",
     "barrier",
     "broadcast",
     "checkpoint_generator",
@@ -34,10 +36,12 @@ __all__ = [
     "copy_each",
     "current_graph_task_id",
     "device_module_initialized",
+    "disabled_join_config",
     "fork_rng",
     "get_device_states",
     "infer_device_type",
     "manual_seed",
+    "nccl_version",
     "optimizer_step",
     "outside_compile",
     "queue_callback",
@@ -51,6 +55,7 @@ __all__ = [
     "swap_tensors",
     "to_bools",
     "to_ints",
+    "work_tensor",
 ]
 
 #: torch's non-reentrant checkpoint generator, as this torch release calls it.
@@ -124,6 +129,31 @@ _broadcast: Final = cast(Callable[..., dist.Work | None], dist.broadcast)
 def all_reduce(tensor: Tensor, group: dist.ProcessGroup) -> dist.Work:
     """Start a sum all-reduce of ``tensor`` in place over ``group``; wait on the handle."""
     return _all_reduce(tensor, group=group, async_op=True)
+
+
+def disabled_join_config() -> _JoinConfig:
+    """The config ``Join`` finds on a joinable outside any ``Join`` (joining disabled)."""
+    make = cast(
+        Callable[[], _JoinConfig],
+        getattr(_JoinConfig, "construct_disabled_join_config"),  # noqa: B009 (untyped)
+    )
+    return make()
+
+
+def nccl_version() -> tuple[int, ...]:
+    """The NCCL version this torch was built with."""
+    return cast(Callable[[], tuple[int, ...]], getattr(torch.cuda, "nccl").version)()  # noqa: B009
+
+
+def all_reduce_max(tensor: Tensor, group: dist.ProcessGroup) -> None:
+    """Replace ``tensor`` in place by its largest value over ``group``, and wait for it."""
+    _all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
+
+def work_tensor(work: dist.Work) -> Tensor:
+    """The first tensor a finished collective's future holds."""
+    future = cast(Callable[[], torch.futures.Future[list[Tensor]]], work.get_future)()
+    return future.value()[0]
 
 
 def all_reduce_blocking(tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:

@@ -11,14 +11,14 @@ and group. A rolled-back apply puts the original class back. The class's
 ``__qualname__`` stays the original's, so that errors, which label modules by
 qualified name, keep naming the user's class.
 
-A deep copy or a pickle of such a module is of its original class: the copy's
-hooks stand aside (no process group copies), so it is not sharded by
-``fully_shard`` and must not claim to be.
+The class is made, cached and restored by ``apis._swapped_class``, which
+``replicate`` shares. A deep copy or a pickle of such a module is of its
+original class: the copy's hooks stand aside (no process group copies), so it is
+not sharded by ``fully_shard`` and must not claim to be.
 """
 
 from __future__ import annotations
 
-import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, NoReturn, cast
@@ -30,6 +30,7 @@ from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
 from torchcontract import ContractError, NotAppliedError, module_label
 
+from .._swapped_class import reduce_as_original, restore_class, swapped_class
 from ._group import ParamGroup
 from ._hooks import ForwardHooks
 from ._managed import MANAGED
@@ -274,15 +275,7 @@ class FullyShardModule(FSDPModule):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Copies and pickles are of the original class (their hooks stand aside)."""
-        reduced = super().__reduce_ex__(protocol)
-        if not isinstance(reduced, tuple) or len(reduced) < 2:
-            return reduced
-        arguments = cast(tuple[Any, ...], reduced[1])
-        if not arguments or arguments[0] is not type(self):
-            return reduced
-        # copyreg.__newobj__ insists on the object's own class; this builds the original.
-        original = original_class(cast("type[nn.Module]", type(self)))
-        return (_new_object, (original, *arguments[1:]), *reduced[2:])
+        return reduce_as_original(cast(nn.Module, self), super().__reduce_ex__(protocol))
 
 
 class _PendingUnshard(UnshardHandle):
@@ -293,11 +286,6 @@ class _PendingUnshard(UnshardHandle):
 
     def wait(self) -> None:
         self._group.unshard()
-
-
-def _new_object(cls: type[Any], *args: object) -> object:
-    """``cls.__new__(cls, *args)``: how a copy or an unpickled module is made."""
-    return cls.__new__(cls, *args)
 
 
 class _ForwardMethodState:
@@ -319,39 +307,9 @@ class _ForwardMethodState:
         return output if result is None else result
 
 
-_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
-_ORIGINALS: dict[type[nn.Module], type[nn.Module]] = {}
-_LOCK = threading.Lock()
-
-
 def fully_shard_class(cls: type[nn.Module]) -> type[nn.Module]:
     """``FSDP<Name>(FullyShardModule, cls)``, made once per class (thread-safe)."""
-    if issubclass(cls, FullyShardModule):
-        return cls
-    with _LOCK:
-        made = _CLASSES.get(cls)
-        if made is None:
-            made = cast(
-                "type[nn.Module]",
-                type(
-                    f"FSDP{cls.__name__}",
-                    (FullyShardModule, cls),
-                    {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
-                ),
-            )
-            _CLASSES[cls] = made
-            _ORIGINALS[made] = cls
-    return made
-
-
-def original_class(cls: type[nn.Module]) -> type[nn.Module]:
-    """The class ``fully_shard_class`` made ``cls`` from (``cls`` itself if none)."""
-    return _ORIGINALS.get(cls, cls)
-
-
-def restore_class(module: nn.Module) -> None:
-    """Give ``module`` back the class it had before ``fully_shard`` swapped it."""
-    module.__class__ = original_class(type(module))
+    return swapped_class(FullyShardModule, "FSDP", cls)
 
 
 # --------------------------------------------------------------------------- helpers

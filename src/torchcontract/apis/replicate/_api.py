@@ -20,11 +20,14 @@ from torchcontract import (
     contract,
     exported_from,
     module_label,
+    on_rollback,
 )
 
 from .. import _torch
+from .._swapped_class import restore_class
 from ..checkpoint import checkpoint, describe_value, require_bool, require_one_module
 from ._buckets import broadcast_from_first_rank
+from ._module import replicate_class, sync_switch
 from ._reducer import ParameterHook, Reducer
 from ._same_model import check_same_model
 from ._state import ReplicateState
@@ -32,6 +35,8 @@ from ._state import ReplicateState
 __all__ = ["rank_local", "replicate", "replicate_no_sync"]
 
 _MEGABYTE = 1024 * 1024
+#: DDP's ``bucket_cap_mb`` when it is None.
+_DEFAULT_CAP_MEGABYTES = 25
 
 
 def _is_reentrant(entry: RegistryEntry) -> bool:
@@ -101,6 +106,8 @@ def _group(module: nn.Module, process_group: object) -> dist.ProcessGroup:
 
 
 def _bucket_cap_bytes(module: nn.Module, bucket_cap_mb: object) -> int:
+    if bucket_cap_mb is None:
+        return _DEFAULT_CAP_MEGABYTES * _MEGABYTE
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, numbers.Real):
         raise TypeError(
             f"replicate on {module_label(module)}: bucket_cap_mb takes a number of megabytes "
@@ -137,7 +144,7 @@ def replicate(
     module: nn.Module,
     *,
     process_group: dist.ProcessGroup | None = None,
-    bucket_cap_mb: float = 25.0,
+    bucket_cap_mb: float | None = None,
     broadcast_buffers: bool = True,
 ) -> None:
     """Average ``module``'s gradients over ``process_group`` (default: the world) in backward.
@@ -165,9 +172,16 @@ def replicate(
         process_group: The group gradients are averaged over; the default group if
             None.
         bucket_cap_mb: At most this many MiB of gradients are reduced in one
-            collective (the first bucket holds at most 1 MiB).
+            collective (the first bucket holds at most 1 MiB); None is DDP's
+            default, 25.
         broadcast_buffers: Copy rank 0's buffers to every rank before each forward
             that follows a synchronizing one, as DDP does.
+
+    The module becomes an instance of ``Replicate<Class>``, a subclass of its class
+    and of ``ReplicateModule``, which carries ``DistributedDataParallel``'s methods
+    (``no_sync()``, ``join()``, ``join_hook()``, ``join_device``,
+    ``join_process_group``, ``register_comm_hook()``); a failed apply puts the
+    class back.
 
     Returns:
         ``module`` itself (the contract returns what it was given), typed as given.
@@ -198,13 +212,17 @@ def replicate(
         group=group,
         named=named,
         cap_bytes=cap_bytes,
+        default_cap=bucket_cap_mb is None,
         on_synchronized=_count_synchronization,
+        update=replicate.update,
     )
     for index, (_, parameter) in enumerate(named):
         _torch.register_post_accumulate_grad_hook(parameter, ParameterHook(reducer, index))
     hooks = _ForwardHooks(reducer)
     module.register_forward_pre_hook(hooks.before)
     module.register_forward_hook(hooks.after)
+    on_rollback(_Undo(module, reducer))
+    module.__class__ = replicate_class(type(module))
     replicate.update(
         module,
         lambda record: attrs.evolve(
@@ -225,12 +243,9 @@ def replicate_no_sync(module: nn.Module) -> Generator[None]:
     accumulated. Raises ``NotAppliedError`` if ``replicate`` is not applied to
     ``module``. Restores the previous setting on exit, so blocks nest.
     """
-    previous = replicate.state(module).sync_gradients
-    replicate.update(module, lambda record: attrs.evolve(record, sync_gradients=False))
-    try:
+    replicate.state(module)  # NotAppliedError if not applied
+    with sync_switch(module, sync_gradients=False):
         yield
-    finally:
-        replicate.update(module, lambda record: attrs.evolve(record, sync_gradients=previous))
 
 
 @contextlib.contextmanager
@@ -255,9 +270,18 @@ def rank_local(module: nn.Module) -> Generator[None]:
     Raises:
         NotAppliedError: ``replicate`` is not applied to ``module``.
     """
-    previous = replicate.state(module).rank_local
-    replicate.update(module, lambda record: attrs.evolve(record, rank_local=True))
-    try:
+    replicate.state(module)  # NotAppliedError if not applied
+    with sync_switch(module, rank_local=True):
         yield
-    finally:
-        replicate.update(module, lambda record: attrs.evolve(record, rank_local=previous))
+
+
+class _Undo:
+    """Put the module's class back and forget its reducer, if the apply rolls back."""
+
+    def __init__(self, module: nn.Module, reducer: Reducer) -> None:
+        self._module = module
+        self._reducer = reducer
+
+    def __call__(self) -> None:
+        restore_class(self._module)
+        self._reducer.forget(self._module)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .. import _torch
 
-__all__ = ["FIRST_BUCKET_BYTES", "assign_buckets", "broadcast_from_first_rank"]
+__all__ = ["FIRST_BUCKET_BYTES", "assign_buckets", "broadcast_from", "broadcast_from_first_rank"]
 
 #: DDP's ``dist._DEFAULT_FIRST_BUCKET_BYTES``.
 FIRST_BUCKET_BYTES: Final = 1024 * 1024
@@ -50,9 +50,16 @@ def broadcast_from_first_rank(
     tensors: Sequence[Tensor], group: dist.ProcessGroup, cap_bytes: int
 ) -> None:
     """Overwrite ``tensors`` with the group's first rank's values, in flat chunks per kind."""
+    broadcast_from(tensors, group, cap_bytes, 0)
+
+
+def broadcast_from(
+    tensors: Sequence[Tensor], group: dist.ProcessGroup, cap_bytes: int, source_rank: int
+) -> None:
+    """Overwrite ``tensors`` with group rank ``source_rank``'s values, in flat chunks per kind."""
     if not tensors:
         return
-    source = dist.get_global_rank(group, 0)
+    source = dist.get_global_rank(group, source_rank)
     with torch.no_grad():
         for chunk in assign_buckets(tensors, range(len(tensors)), cap_bytes, cap_bytes):
             members = [tensors[index] for index in chunk]
