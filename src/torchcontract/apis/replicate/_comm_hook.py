@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Final, TypeAlias, TypeVar
+from typing import Any, Final, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -26,11 +26,11 @@ from .. import _torch
 
 __all__ = ["Bucket", "CommHook", "check_comm_hook"]
 
-_State = TypeVar("_State")
-
 #: ``hook(state, bucket)``: a future of the bucket's reduced buffer, as DDP's hooks are
 #: typed (``bucket`` is a ``Bucket`` at run time, answering ``GradBucket``'s methods).
-CommHook: TypeAlias = Callable[[_State, GradBucket], "torch.futures.Future[Tensor]"]
+#: The state is ``Any``: torch's own hooks annotate it ``ProcessGroup`` and are
+#: registered with ``None`` (the default group), as DDP's documentation does.
+CommHook: TypeAlias = Callable[[Any, GradBucket], "torch.futures.Future[Tensor]"]
 
 _BF16_HOOKS: Final = ("bf16_compress_hook", "bf16_compress_wrapper_hook")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import torch
@@ -31,9 +31,6 @@ from ._join import ReplicateJoinHook
 from ._reducer import Reducer, reducer_of
 
 __all__ = ["ReplicateModule", "replicate_class", "sync_switch"]
-
-_State = TypeVar("_State")
-
 
 if TYPE_CHECKING:
     _Joinable = Joinable
@@ -120,7 +117,7 @@ class ReplicateModule(_Joinable):
     def _join_config(self, config: _JoinConfig) -> None:
         _reducer(self).join_config = config
 
-    def register_comm_hook(self, state: _State, hook: CommHook[_State]) -> None:
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """From the next backward, ``hook(state, bucket)`` reduces each bucket of gradients.
 
         ``DistributedDataParallel.register_comm_hook``: ``hook`` returns a
@@ -141,7 +138,7 @@ class ReplicateModule(_Joinable):
         module = cast(nn.Module, self)
         reducer = _reducer(self)
         check_comm_hook(module, hook)
-        reducer.register_comm_hook(module, state, cast(CommHook[object], hook))
+        reducer.register_comm_hook(module, state, hook)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Copies and pickles are of the original class (their hooks stand aside)."""

@@ -111,7 +111,7 @@ class Reducer:
         self._cap_bytes = cap_bytes
         self._default_cap = default_cap
         self.update: Final = update
-        self._comm_hook: tuple[object, CommHook[object]] | None = None
+        self._comm_hook: tuple[object, CommHook] | None = None
         # Join (see join.py): the config torch's Join sets on the module, whether
         # to divide by the group's size or by the ranks not joined, and this
         # forward's count of those (an all-reduce Join started).
@@ -481,7 +481,7 @@ class Reducer:
 
     # ------------------------------------------------------------ hooks and Join
 
-    def register_comm_hook(self, module: nn.Module, state: object, hook: CommHook[object]) -> None:
+    def register_comm_hook(self, module: nn.Module, state: object, hook: CommHook) -> None:
         """From the next backward, ``hook(state, bucket)`` reduces each bucket (checked first).
 
         The buckets take DDP's sizes and, before the first synchronized backward,
