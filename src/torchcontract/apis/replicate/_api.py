@@ -146,6 +146,7 @@ def replicate(
     process_group: dist.ProcessGroup | None = None,
     bucket_cap_mb: float | None = None,
     broadcast_buffers: bool = True,
+    find_unused_parameters: bool = True,
 ) -> None:
     """Average ``module``'s gradients over ``process_group`` (default: the world) in backward.
 
@@ -176,6 +177,12 @@ def replicate(
             default, 25.
         broadcast_buffers: Copy rank 0's buffers to every rank before each forward
             that follows a synchronizing one, as DDP does.
+        find_unused_parameters: As DDP's: True (the default here; DDP's is False)
+            averages every parameter some rank used, and leaves alone those none
+            used; False keeps no such bookkeeping (no flags travel with the
+            gradients, and with a communication hook the buckets are rebuilt in
+            the order gradients arrived, as DDP's), and a synchronized backward
+            in which a parameter gets no gradient raises DDP's error.
 
     The module becomes an instance of ``Replicate<Class>``, a subclass of its class
     and of ``ReplicateModule``, which carries ``DistributedDataParallel``'s methods
@@ -199,6 +206,7 @@ def replicate(
     require_one_module("replicate", module)
     cap_bytes = _bucket_cap_bytes(module, bucket_cap_mb)
     require_bool("replicate", module, "broadcast_buffers", broadcast_buffers)
+    require_bool("replicate", module, "find_unused_parameters", find_unused_parameters)
     group = _group(module, process_group)
     if group.size() > 1:
         check_same_model(module, group)
@@ -213,6 +221,7 @@ def replicate(
         named=named,
         cap_bytes=cap_bytes,
         default_cap=bucket_cap_mb is None,
+        find_unused=find_unused_parameters,
         on_synchronized=_count_synchronization,
         update=replicate.update,
     )

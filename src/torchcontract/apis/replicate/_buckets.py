@@ -17,7 +17,13 @@ from torch import Tensor
 
 from .. import _torch
 
-__all__ = ["FIRST_BUCKET_BYTES", "assign_buckets", "broadcast_from", "broadcast_from_first_rank"]
+__all__ = [
+    "FIRST_BUCKET_BYTES",
+    "assign_buckets",
+    "assign_buckets_as_ddp",
+    "broadcast_from",
+    "broadcast_from_first_rank",
+]
 
 #: DDP's ``dist._DEFAULT_FIRST_BUCKET_BYTES``.
 FIRST_BUCKET_BYTES: Final = 1024 * 1024
@@ -44,6 +50,37 @@ def assign_buckets(
         bucket.append(index)
         open_buckets[kind] = (bucket, used + size, limit)
     return buckets
+
+
+def assign_buckets_as_ddp(
+    tensors: Sequence[Tensor], order: Iterable[int], first_cap: int, cap: int
+) -> list[list[int]]:
+    """DDP's ``_compute_bucket_assignment_by_size``: the indices of ``tensors`` in buckets.
+
+    Unlike ``assign_buckets``, a bucket takes each tensor first and closes once it
+    holds at least its cap (so it may exceed it by its last tensor); the buckets
+    closed come first, in the order they closed, then those left open, in the
+    order they opened. Where a communication hook's result depends on the
+    buckets, they must be DDP's.
+    """
+    buckets: list[list[int]] = []
+    open_buckets: dict[_Kind, tuple[list[int], int, int]] = {}
+    opened: list[list[int]] = []
+    for index in order:
+        tensor = tensors[index]
+        kind = (tensor.device, tensor.dtype)
+        bucket, used, limit = open_buckets.get(kind, ([], 0, first_cap))
+        if not bucket:
+            opened.append(bucket)
+        bucket.append(index)
+        used += tensor.numel() * tensor.element_size()
+        if used >= limit:
+            buckets.append(bucket)
+            opened = [other for other in opened if other is not bucket]
+            open_buckets[kind] = ([], 0, cap)
+        else:
+            open_buckets[kind] = (bucket, used, limit)
+    return buckets + opened
 
 
 def broadcast_from_first_rank(

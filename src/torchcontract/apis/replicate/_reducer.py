@@ -56,7 +56,7 @@ from torchcontract import (
 )
 
 from .. import _torch
-from ._buckets import FIRST_BUCKET_BYTES, assign_buckets, broadcast_from
+from ._buckets import FIRST_BUCKET_BYTES, assign_buckets, assign_buckets_as_ddp, broadcast_from
 from ._comm_hook import Bucket, CommHook
 from ._outputs import find_tensors
 from ._state import ReplicateState
@@ -100,6 +100,7 @@ class Reducer:
         named: Sequence[tuple[str, nn.Parameter]],
         cap_bytes: int,
         default_cap: bool,
+        find_unused: bool = True,
         on_synchronized: OnSynchronized,
         update: Update,
     ) -> None:
@@ -110,6 +111,9 @@ class Reducer:
         self._parameters = tuple(weakref.ref(parameter) for _, parameter in named)
         self._cap_bytes = cap_bytes
         self._default_cap = default_cap
+        # DDP's find_unused_parameters: False keeps no used-flags; every parameter
+        # must then take part in every synchronized backward.
+        self._find_unused = find_unused
         self.update: Final = update
         self._comm_hook: tuple[object, CommHook] | None = None
         # Join (see join.py): the config torch's Join sets on the module, whether
@@ -188,6 +192,7 @@ class Reducer:
                 work.wait()
         self._task = -1
         self._waiting = [len(bucket) for bucket in self._buckets]
+        self._arrived = [False] * len(self._names)  # in the synchronized backward running
         self._next = 0  # the next bucket to launch: buckets launch strictly in order
         self._launched = []
 
@@ -284,6 +289,7 @@ class Reducer:
             return
         if self._arrival is not None:
             self._arrival.append(index)
+        self._arrived[index] = True
         bucket = self._bucket_of[index]
         self._waiting[bucket] -= 1
         while self._next < len(self._buckets) and self._waiting[self._next] == 0:
@@ -298,8 +304,12 @@ class Reducer:
             views = self._allocate(position)
         flat = self._flats[position]
         grads = [self._parameter(index).grad for index in bucket]
-        if self._comm_hook is not None:
-            # Undivided: the hook reduces and divides, as with DDP.
+        if self._comm_hook is not None or not self._find_unused:
+            # Without flags; with a hook, undivided (it reduces and divides, as with DDP).
+            if self._comm_hook is None:
+                self._copy_in(bucket, grads, views, 1.0 / self._divisor())
+                self._launched.append((position, _torch.all_reduce(flat, self._group)))
+                return
             self._copy_in(bucket, grads, views, 1.0)
             self._launched.append((position, self._run_comm_hook(position, flat, views[:-1])))
             return
@@ -370,7 +380,7 @@ class Reducer:
         parameters = [self._parameter(index) for index in bucket]
         sizes = [parameter.numel() for parameter in parameters]
         first = parameters[0]
-        flags = 0 if self._comm_hook is not None else len(bucket)
+        flags = len(bucket) if self._flags_in_buckets else 0
         flat = torch.empty(sum(sizes) + flags, dtype=first.dtype, device=first.device)
         self._flats[position] = flat
         pieces = torch.split(flat, [*sizes, flags])
@@ -392,6 +402,8 @@ class Reducer:
         """Run by the autograd engine at the end of a synchronizing backward."""
         rebuilt: tuple[tuple[str, ...], ...] | None = None
         try:
+            if not self._find_unused:
+                self._check_all_arrived()
             while self._next < len(self._buckets):
                 self._launch(self._next)
                 self._next += 1
@@ -437,14 +449,41 @@ class Reducer:
             )
         return result
 
+    @property
+    def _flags_in_buckets(self) -> bool:
+        """Whether each bucket ends with the used-flags of its parameters."""
+        return self._find_unused and self._comm_hook is None
+
+    def _check_all_arrived(self) -> None:
+        """With ``find_unused_parameters=False``: every parameter's gradient arrived, or raise.
+
+        DDP's error, raised here at the end of the backward (DDP raises it at the
+        next forward), naming the parameters.
+        """
+        missing = [
+            name for name, arrived in zip(self._names, self._arrived, strict=True) if not arrived
+        ]
+        if missing:
+            shown = ", ".join(repr(name) for name in missing[:5])
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ContractError(
+                "Expected to have finished reduction in the prior iteration before starting a "
+                "new one. This error indicates that your module has parameters that were not "
+                f"used in producing loss: replicate with find_unused_parameters=False got no "
+                f"gradient for {shown}{more} in this backward; pass "
+                "find_unused_parameters=True (the default), or use every parameter"
+            )
+
     def _used_everywhere(self, results: list[tuple[int, Tensor]]) -> list[bool]:
         """By parameter, whether some rank used it since the last synchronization.
 
         Without a hook the flags travelled in the buckets; with one, they are
         all-reduced now, once, as DDP's map of locally used parameters.
         """
+        if not self._find_unused:
+            return [True] * len(self._names)
         used = [False] * len(self._names)
-        if self._comm_hook is None:
+        if self._flags_in_buckets:
             for position, flat in results:
                 bucket = self._buckets[position]
                 flags = _torch.to_bools(flat[flat.numel() - len(bucket) :] > 0)
@@ -503,13 +542,17 @@ class Reducer:
         self._bucket_bytes = self._cap_bytes
         parameters = [self._parameter(index) for index in range(len(self._names))]
         if self._arrival is not None:
-            self._arrival = None
+            # DDP's first assignment: in the parameters' order, sorted by their first
+            # index, launched last first. DDP rebuilds them only without unused
+            # parameters found.
+            if self._find_unused:
+                self._arrival = None
             order: list[int] = list(range(len(parameters)))
-            buckets = assign_buckets(parameters, order, self._first_cap, self._bucket_bytes)
-            buckets.reverse()
+            buckets = assign_buckets_as_ddp(parameters, order, self._first_cap, self._bucket_bytes)
+            buckets.sort(key=min, reverse=True)
         else:
             order = [index for bucket in self._buckets for index in bucket]
-            buckets = assign_buckets(parameters, order, self._first_cap, self._bucket_bytes)
+            buckets = assign_buckets_as_ddp(parameters, order, self._first_cap, self._bucket_bytes)
         self._set_buckets(buckets)
         self.update(module, lambda record: attrs.evolve(record, buckets=self.bucket_names))
 
@@ -545,7 +588,7 @@ class Reducer:
             self._launched.append((position, pending))
         try:
             results = self._wait_launched()
-            if self._comm_hook is not None:
+            if self._comm_hook is not None and self._find_unused:
                 saved, self._used = self._used, [False] * len(self._names)
                 try:
                     self._used_everywhere(results)
@@ -577,8 +620,9 @@ class Reducer:
         if self._group.size() > 1:
             _torch.broadcast(shared, dist.get_global_rank(self._group, 0), self._group)
         parameters = [self._parameter(index) for index in range(len(self._names))]
+        assign = assign_buckets if self._comm_hook is None else assign_buckets_as_ddp
         self._set_buckets(
-            assign_buckets(parameters, _torch.to_ints(shared), self._first_cap, self._bucket_bytes)
+            assign(parameters, _torch.to_ints(shared), self._first_cap, self._bucket_bytes)
         )
 
 
