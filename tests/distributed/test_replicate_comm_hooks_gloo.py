@@ -11,7 +11,8 @@ same hook, parameters used on one rank only included.
 The PowerSGD hooks run with ``find_unused_parameters=False`` on both sides
 (the buckets are then rebuilt after the first step, in the order gradients
 arrived, which the hook's random matrices depend on), with one bucket (the
-default cap) and every parameter used: DDP's own PowerSGD on gloo hangs with several buckets, and aborts the process with
+default cap) and every parameter used: DDP's own PowerSGD on gloo hangs with
+several buckets, and aborts the process with
 ``find_unused_parameters=True`` (its callbacks wait for all-reduces on gloo's
 threads while DDP launches the next bucket's, or its map of used parameters, in
 an order that differs by rank). replicate waits for every bucket before it
