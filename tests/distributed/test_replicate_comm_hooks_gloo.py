@@ -88,7 +88,8 @@ def recording_hook(state: Recorder, bucket: GradBucket) -> torch.futures.Future[
     buffer = bucket.buffer().div_(dist.get_world_size())
     work = dist.all_reduce(buffer, async_op=True)
     assert work is not None
-    return work.get_future().then(lambda future: future.value()[0])
+    reduced: torch.futures.Future[list[Tensor]] = work.get_future()
+    return reduced.then(lambda future: future.value()[0])
 
 
 # DDP compares annotations as written: give it objects, not this module's strings.
