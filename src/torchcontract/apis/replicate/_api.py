@@ -9,8 +9,10 @@ from collections.abc import Generator
 from typing import Any
 
 import attrs
+import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchcontract import (
     ContractError,
@@ -23,7 +25,7 @@ from torchcontract import (
     on_rollback,
 )
 
-from .. import _torch
+from .. import _compat, _torch
 from .._swapped_class import restore_class
 from ..checkpoint import checkpoint, describe_value, require_bool, require_one_module
 from ._buckets import broadcast_from_first_rank
@@ -105,6 +107,39 @@ def _group(module: nn.Module, process_group: object) -> dist.ProcessGroup:
     return process_group
 
 
+def _require_ddp_keyword(module: nn.Module, keyword: str, given: bool) -> None:
+    """Refuse a keyword of DDP's that this torch's DDP does not take, with a TypeError."""
+    if given and keyword not in _compat.DDP_KEYWORDS:
+        raise TypeError(
+            f"replicate on {module_label(module)}: {keyword}= is a keyword of a newer "
+            f"DistributedDataParallel than torch {torch.__version__}'s, which replicate "
+            "follows; upgrade torch, or leave it out"
+        )
+
+
+def _mesh_group(module: nn.Module, process_group: object, device_mesh: object) -> object:
+    """The group named by ``device_mesh`` (1-D), or ``process_group``; not both, as DDP."""
+    if device_mesh is None:
+        return process_group
+    if process_group is not None:
+        raise ValueError(
+            f"replicate on {module_label(module)}: pass process_group or device_mesh, not both "
+            "(DistributedDataParallel refuses both too)"
+        )
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(
+            f"replicate on {module_label(module)}: device_mesh takes a DeviceMesh or None, "
+            f"got {describe_value(device_mesh)}"
+        )
+    if device_mesh.ndim != 1:
+        raise ValueError(
+            f"replicate on {module_label(module)}: device_mesh must be 1-D (as "
+            f"DistributedDataParallel's), got {device_mesh.ndim} dims; pass "
+            'mesh["dp"], a 1-D slice'
+        )
+    return device_mesh.get_group(0)
+
+
 def _bucket_cap_bytes(module: nn.Module, bucket_cap_mb: object) -> int:
     if bucket_cap_mb is None:
         return _DEFAULT_CAP_MEGABYTES * _MEGABYTE
@@ -147,6 +182,9 @@ def replicate(
     bucket_cap_mb: float | None = None,
     broadcast_buffers: bool = True,
     find_unused_parameters: bool = True,
+    static_graph: bool = False,
+    init_sync: bool = True,
+    device_mesh: DeviceMesh | None = None,
 ) -> None:
     """Average ``module``'s gradients over ``process_group`` (default: the world) in backward.
 
@@ -183,6 +221,14 @@ def replicate(
             gradients, and with a communication hook the buckets are rebuilt in
             the order gradients arrived, as DDP's), and a synchronized backward
             in which a parameter gets no gradient raises DDP's error.
+        static_graph: As DDP's: the promise that every iteration uses the same
+            parameters; with a communication hook the buckets are then rebuilt
+            in the order gradients arrived, as DDP's. The numbers do not change.
+        init_sync: As DDP's: False skips the check that every rank holds the same
+            model and the copy of rank 0's parameters and buffers (the ranks must
+            then hold the same values already).
+        device_mesh: A 1-D ``DeviceMesh`` whose group gradients are averaged
+            over, instead of ``process_group`` (not both), as DDP's.
 
     The module becomes an instance of ``Replicate<Class>``, a subclass of its class
     and of ``ReplicateModule``, which carries ``DistributedDataParallel``'s methods
@@ -207,12 +253,16 @@ def replicate(
     cap_bytes = _bucket_cap_bytes(module, bucket_cap_mb)
     require_bool("replicate", module, "broadcast_buffers", broadcast_buffers)
     require_bool("replicate", module, "find_unused_parameters", find_unused_parameters)
-    group = _group(module, process_group)
-    if group.size() > 1:
+    require_bool("replicate", module, "static_graph", static_graph)
+    require_bool("replicate", module, "init_sync", init_sync)
+    _require_ddp_keyword(module, "init_sync", init_sync is not True)
+    _require_ddp_keyword(module, "device_mesh", device_mesh is not None)
+    group = _group(module, _mesh_group(module, process_group, device_mesh))
+    if group.size() > 1 and init_sync:
         check_same_model(module, group)
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     _require_trainable(module, named)
-    if group.size() > 1:
+    if group.size() > 1 and init_sync:
         broadcast_from_first_rank([*module.parameters(), *module.buffers()], group, cap_bytes)
     reducer = Reducer(
         module,
@@ -222,6 +272,7 @@ def replicate(
         cap_bytes=cap_bytes,
         default_cap=bucket_cap_mb is None,
         find_unused=find_unused_parameters,
+        rebuild_with_hook=static_graph or not find_unused_parameters,
         on_synchronized=_count_synchronization,
         update=replicate.update,
     )

@@ -101,6 +101,7 @@ class Reducer:
         cap_bytes: int,
         default_cap: bool,
         find_unused: bool = True,
+        rebuild_with_hook: bool = False,
         on_synchronized: OnSynchronized,
         update: Update,
     ) -> None:
@@ -114,6 +115,9 @@ class Reducer:
         # DDP's find_unused_parameters: False keeps no used-flags; every parameter
         # must then take part in every synchronized backward.
         self._find_unused = find_unused
+        # DDP rebuilds its buckets (hook or not) only with a static graph or
+        # without unused parameters found; ours differ only under a hook.
+        self._rebuild_with_hook = rebuild_with_hook
         self.update: Final = update
         self._comm_hook: tuple[object, CommHook] | None = None
         # Join (see join.py): the config torch's Join sets on the module, whether
@@ -545,7 +549,7 @@ class Reducer:
             # DDP's first assignment: in the parameters' order, sorted by their first
             # index, launched last first. DDP rebuilds them only without unused
             # parameters found.
-            if self._find_unused:
+            if not self._rebuild_with_hook:
                 self._arrival = None
             order: list[int] = list(range(len(parameters)))
             buckets = assign_buckets_as_ddp(parameters, order, self._first_cap, self._bucket_bytes)
