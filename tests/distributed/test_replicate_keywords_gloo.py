@@ -1,9 +1,11 @@
 """DDP's keywords on replicate, side by side with DistributedDataParallel on 2 gloo ranks.
 
 ``find_unused_parameters=False`` (numbers, and DDP's error when a parameter goes
-unused), ``static_graph``, a 1-D ``device_mesh`` and ``init_sync=False`` (ranks
-keep models that differ): the gradients and parameters after every step equal
-DDP's with the same keywords.
+unused), ``static_graph``, a 1-D ``device_mesh``, ``init_sync=False`` (ranks
+keep models that differ) and ``gradient_as_bucket_view`` (with gradients set to
+None or zeroed between steps): the gradients and parameters after every step
+equal DDP's with the same keywords. With ``gradient_as_bucket_view`` the
+gradients live in the bucket buffers, as DDP's: one storage per bucket.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Final
 
+import attrs
 import pytest
 import torch
 from torch import Tensor, nn
@@ -43,7 +46,7 @@ def _model(seed: int) -> Net:
     return Net()
 
 
-def _train(model: nn.Module, raw: Net, rank: int) -> list[Tensor]:
+def _train(model: nn.Module, raw: Net, rank: int, set_to_none: bool = True) -> list[Tensor]:
     """Every gradient after each step, then every parameter, flattened."""
     optimizer = torch.optim.SGD(raw.parameters(), lr=0.1)
     seen: list[Tensor] = []
@@ -52,7 +55,7 @@ def _train(model: nn.Module, raw: Net, rank: int) -> list[Tensor]:
         model(x).pow(2).mean().backward()
         seen.extend(p.grad.clone() for p in raw.parameters() if p.grad is not None)
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
     seen.extend(p.detach().clone() for p in raw.parameters())
     return seen
 
@@ -63,16 +66,19 @@ CASES: Final[dict[str, tuple[Callable[[], dict[str, Any]], bool]]] = {
     "static_graph": (lambda: {"static_graph": True}, False),
     "device_mesh": (lambda: {"device_mesh": init_device_mesh("cpu", (2,))}, False),
     "init_sync=False": (lambda: {"init_sync": False}, True),
+    "gradient_as_bucket_view": (lambda: {"gradient_as_bucket_view": True}, False),
+    "gradient_as_bucket_view, zeroed": (lambda: {"gradient_as_bucket_view": True}, False),
 }
 
 
 def _gap(name: str, rank: int) -> float:
     keywords, differ = CASES[name]
     seed = rank if differ else 0
+    set_to_none = not name.endswith("zeroed")
     mine = replicate(_model(seed), **keywords())
-    ours = _train(mine, mine, rank)
+    ours = _train(mine, mine, rank, set_to_none)
     raw = _model(seed)
-    theirs = _train(DistributedDataParallel(raw, **keywords()), raw, rank)
+    theirs = _train(DistributedDataParallel(raw, **keywords()), raw, rank, set_to_none)
     assert len(ours) == len(theirs)
     return max(float((a - b).abs().max()) for a, b in zip(ours, theirs, strict=True))
 
@@ -87,33 +93,76 @@ def _unused_error(model: nn.Module) -> str:
     return ""
 
 
-def _job(rank: int, world_size: int) -> tuple[dict[str, float], str, str]:
+def _storages(model: nn.Module, raw: Net, rank: int, views: bool) -> tuple[int, int]:
+    """After training: how many storages the gradients live in, and their bytes."""
+    _train(model, raw, rank, set_to_none=False)
+    storages = {
+        p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+        for p in raw.parameters()
+        if p.grad is not None
+    }
+    return len(storages), sum(storages.values())
+
+
+@attrs.frozen
+class Report:
+    gaps: dict[str, float]
+    ours_error: str
+    theirs_error: str
+    #: (storages, bytes) of the gradients: ours and DDP's with views, ours without.
+    ours_views: tuple[int, int]
+    theirs_views: tuple[int, int]
+    ours_plain: tuple[int, int]
+
+
+def _job(rank: int, world_size: int) -> Report:
     gaps = {name: _gap(name, rank) for name in CASES}
     ours = _unused_error(replicate(_model(0), find_unused_parameters=False))
     theirs = _unused_error(DistributedDataParallel(_model(0)))
-    return gaps, ours, theirs
+    mine = replicate(_model(0), gradient_as_bucket_view=True)
+    raw = _model(0)
+    ddp = DistributedDataParallel(raw, gradient_as_bucket_view=True, find_unused_parameters=True)
+    plain = replicate(_model(0))
+    return Report(
+        gaps,
+        ours,
+        theirs,
+        _storages(mine, mine, rank, True),
+        _storages(ddp, raw, rank, True),
+        _storages(plain, plain, rank, False),
+    )
 
 
 @pytest.fixture(scope="module")
-def results() -> list[tuple[dict[str, float], str, str]]:
+def results() -> list[Report]:
     return run_distributed(_job, 2, timeout=120)
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_numbers_equal_ddps_with_the_same_keyword(
-    results: list[tuple[dict[str, float], str, str]], name: str
-) -> None:
-    for gaps, _, _ in results:
-        assert gaps[name] == 0.0, f"differs from DDP's by {gaps[name]}"
+def test_numbers_equal_ddps_with_the_same_keyword(results: list[Report], name: str) -> None:
+    for report in results:
+        assert report.gaps[name] == 0.0, f"differs from DDP's by {report.gaps[name]}"
 
 
 def test_an_unused_parameter_without_find_unused_parameters_raises_ddps_error(
-    results: list[tuple[dict[str, float], str, str]],
+    results: list[Report],
 ) -> None:
     sentence = (
         "Expected to have finished reduction in the prior iteration before starting a new one"
     )
-    for _, ours, theirs in results:
-        assert sentence in theirs
-        assert sentence in ours
-        assert "'side.weight', 'side.bias'" in ours  # and names the parameters
+    for report in results:
+        assert sentence in report.theirs_error
+        assert sentence in report.ours_error
+        assert "'side.weight', 'side.bias'" in report.ours_error  # and names the parameters
+
+
+def test_gradients_as_bucket_views_live_in_the_buckets_as_ddps(results: list[Report]) -> None:
+    """One storage per bucket (the model's one), as DDP's; without views, one per parameter."""
+    gradient_bytes = sum(p.numel() * p.element_size() for p in _model(0).parameters())
+    parameters = len(list(_model(0).parameters()))
+    for report in results:
+        assert report.ours_views[0] == report.theirs_views[0] == 1
+        assert report.ours_plain == (parameters, gradient_bytes)
+        # The bucket holds the gradients (and, ours, one used-flag per parameter).
+        assert report.theirs_views[1] == gradient_bytes
+        assert report.ours_views[1] == gradient_bytes + parameters * 4

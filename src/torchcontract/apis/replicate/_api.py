@@ -183,6 +183,7 @@ def replicate(
     broadcast_buffers: bool = True,
     find_unused_parameters: bool = True,
     static_graph: bool = False,
+    gradient_as_bucket_view: bool = False,
     init_sync: bool = True,
     device_mesh: DeviceMesh | None = None,
 ) -> None:
@@ -224,6 +225,12 @@ def replicate(
         static_graph: As DDP's: the promise that every iteration uses the same
             parameters; with a communication hook the buckets are then rebuilt
             in the order gradients arrived, as DDP's. The numbers do not change.
+        gradient_as_bucket_view: As DDP's: after a synchronized backward each
+            averaged ``.grad`` is a view into its bucket's buffer, so the model
+            holds one copy of its gradients instead of two; the next backward
+            accumulates into it in place (with ``zero_grad(set_to_none=False)``;
+            ``set_to_none=True`` frees the views and the next backward allocates
+            new gradients, copied in once more).
         init_sync: As DDP's: False skips the check that every rank holds the same
             model and the copy of rank 0's parameters and buffers (the ranks must
             then hold the same values already).
@@ -254,6 +261,7 @@ def replicate(
     require_bool("replicate", module, "broadcast_buffers", broadcast_buffers)
     require_bool("replicate", module, "find_unused_parameters", find_unused_parameters)
     require_bool("replicate", module, "static_graph", static_graph)
+    require_bool("replicate", module, "gradient_as_bucket_view", gradient_as_bucket_view)
     require_bool("replicate", module, "init_sync", init_sync)
     _require_ddp_keyword(module, "init_sync", init_sync is not True)
     _require_ddp_keyword(module, "device_mesh", device_mesh is not None)
@@ -273,6 +281,7 @@ def replicate(
         default_cap=bucket_cap_mb is None,
         find_unused=find_unused_parameters,
         rebuild_with_hook=static_graph or not find_unused_parameters,
+        gradient_as_bucket_view=gradient_as_bucket_view,
         on_synchronized=_count_synchronization,
         update=replicate.update,
     )

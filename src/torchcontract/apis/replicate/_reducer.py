@@ -102,6 +102,7 @@ class Reducer:
         default_cap: bool,
         find_unused: bool = True,
         rebuild_with_hook: bool = False,
+        gradient_as_bucket_view: bool = False,
         on_synchronized: OnSynchronized,
         update: Update,
     ) -> None:
@@ -115,6 +116,8 @@ class Reducer:
         # DDP's find_unused_parameters: False keeps no used-flags; every parameter
         # must then take part in every synchronized backward.
         self._find_unused = find_unused
+        #: DDP's gradient_as_bucket_view: ``.grad`` left as a view into the bucket buffer.
+        self.gradient_as_bucket_view = gradient_as_bucket_view
         # DDP rebuilds its buckets (hook or not) only with a static graph or
         # without unused parameters found; ours differ only under a hook.
         self._rebuild_with_hook = rebuild_with_hook
@@ -502,6 +505,9 @@ class Reducer:
     def _write_back(self, position: int, reduced: Tensor, used: Sequence[bool]) -> None:
         bucket = self._buckets[position]
         views = self._views[position]
+        if self.gradient_as_bucket_view and views is not None:
+            self._point_into_bucket(position, reduced, views, used)
+            return
         if views is None or reduced is not self._flats[position]:
             # A hook's own tensor: views of it in the parameters' shapes.
             shapes = [self._parameter(index).shape for index in bucket]
@@ -521,6 +527,26 @@ class Reducer:
                 averages.append(average)
         if grads:
             _torch.copy_each(grads, averages)  # one call for the whole bucket
+
+    def _point_into_bucket(
+        self, position: int, reduced: Tensor, views: Sequence[Tensor], used: Sequence[bool]
+    ) -> None:
+        """``gradient_as_bucket_view``: each used parameter's ``.grad`` becomes its bucket view.
+
+        As DDP's: the averages stay in the bucket buffer (a hook's own tensor is
+        copied in first) and ``.grad`` is a view of it, so no gradient-sized
+        tensor is kept besides the buckets; the next backward accumulates into
+        the view in place, and the next launch scales it where it lies.
+        """
+        flat = self._flats[position]
+        if reduced is not flat:
+            flat[: reduced.numel()].copy_(reduced)
+        for index, view in zip(self._buckets[position], views, strict=False):
+            if not used[index]:
+                continue
+            parameter = self._parameter(index)
+            if parameter.grad is not view:
+                parameter.grad = view
 
     # ------------------------------------------------------------ hooks and Join
 
