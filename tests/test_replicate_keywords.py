@@ -12,6 +12,7 @@ import pytest
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
 
 from torchcontract.apis import _compat, replicate
 from torchcontract.testing import free_port
@@ -63,3 +64,26 @@ def test_a_keyword_this_torchs_ddp_lacks_is_refused(monkeypatch: pytest.MonkeyPa
 def test_a_keyword_ddp_has_and_replicate_does_not_is_a_type_error() -> None:
     with pytest.raises(TypeError, match="delay_all_reduce_named_params"):
         replicate(nn.Linear(2, 2), delay_all_reduce_named_params=[])  # type: ignore[call-arg]
+
+
+# ----------------------------------------------------------------- errors DDP gives at construction
+
+
+def test_sync_batch_norm_on_cpu_is_refused_at_apply_as_ddp_refuses_it() -> None:
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(2, 4), nn.SyncBatchNorm(4))
+
+    with pytest.raises(ValueError, match=r"SyncBatchNorm layers only work with GPU modules"):
+        DistributedDataParallel(model())
+    target = model()
+    with pytest.raises(ValueError, match=r"on Sequential: SyncBatchNorm layers only work"):
+        replicate(target)
+    assert not replicate.is_applied(target)
+    assert type(target) is nn.Sequential
+
+
+def test_a_destroyed_group_is_named_as_such() -> None:
+    group = dist.new_group([0])
+    dist.destroy_process_group(group)
+    with pytest.raises(ValueError, match=r"process_group is not a group torch.distributed knows"):
+        replicate(nn.Linear(2, 2), process_group=group)

@@ -104,7 +104,30 @@ def _group(module: nn.Module, process_group: object) -> dist.ProcessGroup:
             f"torch.distributed.ProcessGroup or None (the default group), got "
             f"{describe_value(process_group)}; pass e.g. torch.distributed.new_group(ranks)"
         )
+    try:
+        dist.get_rank(process_group)
+    except ValueError:  # torch's "Group <...> is not registered"
+        raise ValueError(
+            f"replicate on {module_label(module)}: process_group is not a group "
+            "torch.distributed knows: it was destroyed (destroy_process_group) or made "
+            "outside new_group(); pass a live group from torch.distributed.new_group(ranks)"
+        ) from None
     return process_group
+
+
+def _refuse_sync_batch_norm_on_cpu(module: nn.Module) -> None:
+    """As DDP at construction: SyncBatchNorm needs a GPU module (its forward would fail)."""
+    first = next(module.parameters(), None)
+    if first is None or first.device.type != "cpu":
+        return
+    for fqn, inner in module.named_modules():
+        if isinstance(inner, nn.SyncBatchNorm):
+            where = "itself" if not fqn else f"{fqn!r}"
+            raise ValueError(
+                f"replicate on {module_label(module)}: SyncBatchNorm layers only work with GPU "
+                f"modules (DistributedDataParallel refuses them on CPU too); {where} is one on "
+                "CPU: use an nn.BatchNorm layer on CPU, or move the model to a GPU"
+            )
 
 
 def _require_ddp_keyword(module: nn.Module, keyword: str, given: bool) -> None:
@@ -251,12 +274,16 @@ def replicate(
         ModelMismatchError: The ranks hold different models (raised on every rank).
         InvalidTargetError: ``module`` has no parameter that requires a gradient, or
             is a list.
-        ValueError: ``bucket_cap_mb`` is not positive and finite, or this rank is not
-            in ``process_group``.
+        ValueError: ``bucket_cap_mb`` is not positive and finite; this rank is not
+            in ``process_group``, or it was destroyed or made outside ``new_group``;
+            the module holds a ``SyncBatchNorm`` on CPU (as DDP, which needs a GPU
+            for it); ``process_group`` and ``device_mesh`` are both given, or the
+            mesh is not 1-D.
         TypeError: An argument is of the wrong type.
         IncompatibleAPIError: A rule forbids the combination (see above).
     """
     require_one_module("replicate", module)
+    _refuse_sync_batch_norm_on_cpu(module)
     cap_bytes = _bucket_cap_bytes(module, bucket_cap_mb)
     require_bool("replicate", module, "broadcast_buffers", broadcast_buffers)
     require_bool("replicate", module, "find_unused_parameters", find_unused_parameters)
