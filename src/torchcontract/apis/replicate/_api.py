@@ -22,6 +22,7 @@ from torchcontract import (
     contract,
     exported_from,
     module_label,
+    named_tree,
     on_rollback,
 )
 
@@ -120,7 +121,7 @@ def _refuse_sync_batch_norm_on_cpu(module: nn.Module) -> None:
     first = next(module.parameters(), None)
     if first is None or first.device.type != "cpu":
         return
-    for fqn, inner in module.named_modules():
+    for fqn, inner in named_tree(module):
         if isinstance(inner, nn.SyncBatchNorm):
             where = "itself" if not fqn else f"{fqn!r}"
             raise ValueError(
