@@ -15,8 +15,7 @@ default cap) and every parameter used: DDP's own PowerSGD on gloo hangs with
 several buckets, and aborts the process with
 ``find_unused_parameters=True`` (its callbacks wait for all-reduces on gloo's
 threads while DDP launches the next bucket's, or its map of used parameters, in
-an order that differs by rank). replicate waits for every bucket before it
-all-reduces the used parameters, so it runs both; only DDP's side is limited.
+an order that differs by rank).
 Where DDP's hook raises (torch 2.13's ``batched_powerSGD_hook`` hands a 2-D
 matrix to a check for 3-D ones), replicate's raises the same error.
 """
