@@ -87,3 +87,16 @@ def test_a_destroyed_group_is_named_as_such() -> None:
     dist.destroy_process_group(group)
     with pytest.raises(ValueError, match=r"process_group is not a group torch.distributed knows"):
         replicate(nn.Linear(2, 2), process_group=group)
+
+
+def test_a_bucket_cap_mb_list_that_is_not_a_list_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"bucket_cap_mb_list takes a non-empty list of megabytes"):
+        replicate(nn.Linear(2, 2), bucket_cap_mb_list=[])
+    with pytest.raises(ValueError, match=r"bucket_cap_mb must be positive"):
+        replicate(nn.Linear(2, 2), bucket_cap_mb_list=[1.0, -1.0])
+
+
+def test_bucket_cap_mb_list_is_refused_where_ddp_lacks_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_compat, "DDP_KEYWORDS", _compat.DDP_KEYWORDS - {"bucket_cap_mb_list"})
+    with pytest.raises(TypeError, match=r"bucket_cap_mb_list= is a keyword of a newer"):
+        replicate(nn.Linear(2, 2), bucket_cap_mb_list=[1.0])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-from collections.abc import Generator
-from typing import Any
+from collections.abc import Generator, Sequence
+from typing import Any, cast
 
 import attrs
 import torch
@@ -181,6 +181,20 @@ def _bucket_cap_bytes(module: nn.Module, bucket_cap_mb: object) -> int:
     return max(1, int(megabytes * _MEGABYTE))
 
 
+def _cap_list_bytes(module: nn.Module, bucket_cap_mb_list: object) -> tuple[int, ...]:
+    """``bucket_cap_mb_list`` in bytes, each cap checked as ``bucket_cap_mb``; () for None."""
+    if bucket_cap_mb_list is None:
+        return ()
+    described = describe_value(bucket_cap_mb_list)
+    if not isinstance(bucket_cap_mb_list, (list, tuple)) or not bucket_cap_mb_list:
+        raise TypeError(
+            f"replicate on {module_label(module)}: bucket_cap_mb_list takes a non-empty list of "
+            f"megabytes, one per bucket, got {described}"
+        )
+    caps = cast("list[object] | tuple[object, ...]", bucket_cap_mb_list)
+    return tuple(_bucket_cap_bytes(module, cap) for cap in caps)
+
+
 def _require_trainable(module: nn.Module, named: list[tuple[str, nn.Parameter]]) -> None:
     if not named:
         raise InvalidTargetError(
@@ -210,6 +224,7 @@ def replicate(
     gradient_as_bucket_view: bool = False,
     init_sync: bool = True,
     device_mesh: DeviceMesh | None = None,
+    bucket_cap_mb_list: Sequence[float] | None = None,
 ) -> None:
     """Average ``module``'s gradients over ``process_group`` (default: the world) in backward.
 
@@ -260,6 +275,10 @@ def replicate(
             then hold the same values already).
         device_mesh: A 1-D ``DeviceMesh`` whose group gradients are averaged
             over, instead of ``process_group`` (not both), as DDP's.
+        bucket_cap_mb_list: As DDP's (torch 2.13 on; refused with a ``TypeError``
+            where this torch's DDP lacks it): the cap of each bucket in turn, the
+            last repeated; ``bucket_cap_mb`` is then ignored, and the buckets are
+            DDP's.
 
     The module becomes an instance of ``Replicate<Class>``, a subclass of its class
     and of ``ReplicateModule``, which carries ``DistributedDataParallel``'s methods
@@ -285,7 +304,9 @@ def replicate(
     """
     require_one_module("replicate", module)
     _refuse_sync_batch_norm_on_cpu(module)
-    cap_bytes = _bucket_cap_bytes(module, bucket_cap_mb)
+    _require_ddp_keyword(module, "bucket_cap_mb_list", bucket_cap_mb_list is not None)
+    cap_list = _cap_list_bytes(module, bucket_cap_mb_list)
+    cap_bytes = max(cap_list) if cap_list else _bucket_cap_bytes(module, bucket_cap_mb)
     require_bool("replicate", module, "broadcast_buffers", broadcast_buffers)
     require_bool("replicate", module, "find_unused_parameters", find_unused_parameters)
     require_bool("replicate", module, "static_graph", static_graph)
@@ -306,10 +327,11 @@ def replicate(
         group=group,
         named=named,
         cap_bytes=cap_bytes,
-        default_cap=bucket_cap_mb is None,
+        default_cap=bucket_cap_mb is None and not cap_list,
         find_unused=find_unused_parameters,
         rebuild_with_hook=static_graph or not find_unused_parameters,
         gradient_as_bucket_view=gradient_as_bucket_view,
+        cap_list=cap_list,
         on_synchronized=_count_synchronization,
         update=replicate.update,
     )

@@ -53,33 +53,35 @@ def assign_buckets(
 
 
 def assign_buckets_as_ddp(
-    tensors: Sequence[Tensor], order: Iterable[int], first_cap: int, cap: int
+    tensors: Sequence[Tensor], order: Iterable[int], limits: Sequence[int]
 ) -> list[list[int]]:
     """DDP's ``_compute_bucket_assignment_by_size``: the indices of ``tensors`` in buckets.
 
     Unlike ``assign_buckets``, a bucket takes each tensor first and closes once it
-    holds at least its cap (so it may exceed it by its last tensor); the buckets
+    holds at least its cap (so it may exceed it by its last tensor). The caps of
+    each kind's buckets are ``limits`` in turn, the last one repeated. The buckets
     closed come first, in the order they closed, then those left open, in the
     order they opened. Where a communication hook's result depends on the
     buckets, they must be DDP's.
     """
     buckets: list[list[int]] = []
+    # Per kind: the open bucket, its bytes so far, and the position of its cap in limits.
     open_buckets: dict[_Kind, tuple[list[int], int, int]] = {}
     opened: list[list[int]] = []
     for index in order:
         tensor = tensors[index]
         kind = (tensor.device, tensor.dtype)
-        bucket, used, limit = open_buckets.get(kind, ([], 0, first_cap))
+        bucket, used, position = open_buckets.get(kind, ([], 0, 0))
         if not bucket:
             opened.append(bucket)
         bucket.append(index)
         used += tensor.numel() * tensor.element_size()
-        if used >= limit:
+        if used >= limits[position]:
             buckets.append(bucket)
             opened = [other for other in opened if other is not bucket]
-            open_buckets[kind] = ([], 0, cap)
+            open_buckets[kind] = ([], 0, min(position + 1, len(limits) - 1))
         else:
-            open_buckets[kind] = (bucket, used, limit)
+            open_buckets[kind] = (bucket, used, position)
     return buckets + opened
 
 

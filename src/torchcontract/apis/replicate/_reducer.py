@@ -35,6 +35,7 @@ the model frees it.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Final, cast
@@ -103,6 +104,7 @@ class Reducer:
         find_unused: bool = True,
         rebuild_with_hook: bool = False,
         gradient_as_bucket_view: bool = False,
+        cap_list: Sequence[int] = (),
         on_synchronized: OnSynchronized,
         update: Update,
     ) -> None:
@@ -113,6 +115,7 @@ class Reducer:
         self._parameters = tuple(weakref.ref(parameter) for _, parameter in named)
         self._cap_bytes = cap_bytes
         self._default_cap = default_cap
+        self._cap_list = tuple(cap_list)  # DDP's bucket_cap_mb_list, in bytes
         # DDP's find_unused_parameters: False keeps no used-flags; every parameter
         # must then take part in every synchronized backward.
         self._find_unused = find_unused
@@ -149,9 +152,15 @@ class Reducer:
         self._has_buffers = next(module.buffers(), None) is not None
         self._checked_torch_apis = False
         self._launched: list[_Pending] = []  # in order, not yet waited for
-        self._set_buckets(
-            assign_buckets(parameters, reversed(range(count)), self._first_cap, self._bucket_bytes)
-        )
+        if self._cap_list:
+            # The caps of each bucket given: DDP's assignment, launched last first.
+            buckets = assign_buckets_as_ddp(parameters, range(count), self._cap_list)
+            buckets.sort(key=min, reverse=True)
+        else:
+            buckets = assign_buckets(
+                parameters, reversed(range(count)), self._first_cap, self._bucket_bytes
+            )
+        self._set_buckets(buckets)
         _REDUCERS[module] = self
 
     @property
@@ -550,6 +559,14 @@ class Reducer:
 
     # ------------------------------------------------------------ hooks and Join
 
+    def _ddp_limits(self) -> tuple[int, ...]:
+        """DDP's bucket caps: the list given, or 1 MiB then the cap (the default cap only)."""
+        if self._cap_list:
+            return self._cap_list
+        if self._default_cap:
+            return (FIRST_BUCKET_BYTES, self._cap_bytes)
+        return (self._cap_bytes,)
+
     def register_comm_hook(self, module: nn.Module, state: object, hook: CommHook) -> None:
         """From the next backward, ``hook(state, bucket)`` reduces each bucket (checked first).
 
@@ -568,21 +585,24 @@ class Reducer:
                 "register it before training"
             )
         self._comm_hook = (state, hook)
-        self._first_cap = FIRST_BUCKET_BYTES if self._default_cap else self._cap_bytes
-        self._bucket_bytes = self._cap_bytes
+        limits = self._ddp_limits()
         parameters = [self._parameter(index) for index in range(len(self._names))]
         if self._arrival is not None:
             # DDP's first assignment: in the parameters' order, sorted by their first
-            # index, launched last first. DDP rebuilds them only without unused
-            # parameters found.
-            if not self._rebuild_with_hook:
+            # index, launched last first. DDP rebuilds them only with a static graph
+            # or without unused parameters found, and then starts from one bucket
+            # (per kind) unless the caps of each bucket are given.
+            initial = limits
+            if self._rebuild_with_hook:
+                initial = limits if self._cap_list else (sys.maxsize,)
+            else:
                 self._arrival = None
             order: list[int] = list(range(len(parameters)))
-            buckets = assign_buckets_as_ddp(parameters, order, self._first_cap, self._bucket_bytes)
+            buckets = assign_buckets_as_ddp(parameters, order, initial)
             buckets.sort(key=min, reverse=True)
         else:
             order = [index for bucket in self._buckets for index in bucket]
-            buckets = assign_buckets_as_ddp(parameters, order, self._first_cap, self._bucket_bytes)
+            buckets = assign_buckets_as_ddp(parameters, order, limits)
         self._set_buckets(buckets)
         self.update(module, lambda record: attrs.evolve(record, buckets=self.bucket_names))
 
@@ -650,10 +670,12 @@ class Reducer:
         if self._group.size() > 1:
             _torch.broadcast(shared, dist.get_global_rank(self._group, 0), self._group)
         parameters = [self._parameter(index) for index in range(len(self._names))]
-        assign = assign_buckets if self._comm_hook is None else assign_buckets_as_ddp
-        self._set_buckets(
-            assign(parameters, _torch.to_ints(shared), self._first_cap, self._bucket_bytes)
-        )
+        order = _torch.to_ints(shared)
+        if self._comm_hook is None and not self._cap_list:
+            buckets = assign_buckets(parameters, order, self._first_cap, self._bucket_bytes)
+        else:
+            buckets = assign_buckets_as_ddp(parameters, order, self._ddp_limits())
+        self._set_buckets(buckets)
 
 
 def _check_no_torch_api(root: nn.Module) -> None:
