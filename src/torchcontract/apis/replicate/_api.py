@@ -250,9 +250,9 @@ def replicate(
         module: The model (one module; a list is refused).
         process_group: The group gradients are averaged over; the default group if
             None.
-        bucket_cap_mb: At most this many MiB of gradients are reduced in one
-            collective (the first bucket holds at most 1 MiB); None is DDP's
-            default, 25.
+        bucket_cap_mb: The MiB of gradients reduced in one collective, as DDP
+            counts them (a bucket closes once it holds the cap; the first one's cap
+            is 1 MiB); None is DDP's default, 25.
         broadcast_buffers: Copy rank 0's buffers to every rank before each forward
             that follows a synchronizing one, as DDP does.
         find_unused_parameters: As DDP's: True (the default here; DDP's is False)

@@ -2,8 +2,10 @@
 
 As ``DistributedDataParallel``: buckets hold one device and dtype each, the first
 bucket of each kind is small (1 MiB, so the first collective starts early) and
-the others hold up to ``bucket_cap_mb``; a parameter larger than a cap gets a
-bucket of its own.
+the others hold ``bucket_cap_mb``. The reducer's buckets are DDP's
+(``assign_buckets_as_ddp``: a bucket closes once it holds its cap); broadcasts go
+in chunks of at most the cap (``assign_buckets``: a tensor larger than the cap
+gets a chunk of its own).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ from torchcontract import (
 )
 
 from .. import _torch
-from ._buckets import FIRST_BUCKET_BYTES, assign_buckets, assign_buckets_as_ddp, broadcast_from
+from ._buckets import FIRST_BUCKET_BYTES, assign_buckets_as_ddp, broadcast_from
 from ._comm_hook import Bucket, CommHook
 from ._outputs import find_tensors
 from ._state import ReplicateState
@@ -157,8 +157,8 @@ class Reducer:
             buckets = assign_buckets_as_ddp(parameters, range(count), self._cap_list)
             buckets.sort(key=min, reverse=True)
         else:
-            buckets = assign_buckets(
-                parameters, reversed(range(count)), self._first_cap, self._bucket_bytes
+            buckets = assign_buckets_as_ddp(
+                parameters, reversed(range(count)), (self._first_cap, self._bucket_bytes)
             )
         self._set_buckets(buckets)
         _REDUCERS[module] = self
@@ -672,7 +672,9 @@ class Reducer:
         parameters = [self._parameter(index) for index in range(len(self._names))]
         order = _torch.to_ints(shared)
         if self._comm_hook is None and not self._cap_list:
-            buckets = assign_buckets(parameters, order, self._first_cap, self._bucket_bytes)
+            buckets = assign_buckets_as_ddp(
+                parameters, order, (self._first_cap, self._bucket_bytes)
+            )
         else:
             buckets = assign_buckets_as_ddp(parameters, order, self._ddp_limits())
         self._set_buckets(buckets)
