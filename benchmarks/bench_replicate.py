@@ -1,8 +1,12 @@
 """One training step on 2 gloo ranks: replicate against DistributedDataParallel.
 
-Two models: the demo GPT, and a 50-layer MLP (many parameters of one size, where
-bucketing and overlap decide). Each rank holds every model twice, one under
-``torchcontract.apis.replicate`` and one wrapped in ``DistributedDataParallel``;
+Three models: the demo GPT, a 50-layer MLP (many parameters of one size, where
+bucketing and overlap decide), and an 8-layer MLP of 8 MiB of gradients in 1 MiB
+buckets (``bucket_cap_mb=1`` on both sides: 8 buckets, so launching them in order
+and overlapping them with the backward decide), timed against DDP's default and
+against ``find_unused_parameters=True`` (what replicate computes). Each rank holds
+every model twice, one under ``torchcontract.apis.replicate`` and one wrapped in
+``DistributedDataParallel`` (the bucketed MLP three times);
 ``benchmarks/ranks.py`` drives the steps and records round-trip, in-rank and
 alternating times. Target: replicate's step at most DDP's (alternating, in-rank
 ratio at most 1.0).
@@ -29,19 +33,26 @@ from .ranks import ServingRanks, connect, serve_steps, serving, time_steps
 BATCH = 16
 CONFIG = GPTConfig(dropout=0.0)
 NAMES = ("torchcontract", "torch")
-MODELS = ("demo GPT", "50-layer MLP")
-MLP_WIDTH = 256
+BUCKETED = "8-layer MLP, 1 MiB buckets"
+MODELS = ("demo GPT", "50-layer MLP", BUCKETED)
+#: Each MLP's (layers, width): 50 layers of 256 (13 MB of gradients), 8 of 512 (8 MB).
+MLPS = {"50-layer MLP": (50, 256), BUCKETED: (8, 512)}
+#: The bucket cap both sides take, per model (None: their defaults).
+CAP_MB: dict[str, float | None] = {BUCKETED: 1.0}
+#: The DDP timed against ours on BUCKETED too: what replicate computes.
+UNUSED = "torch, find_unused_parameters=True"
 
 
-def _mlp() -> nn.Module:
+def _mlp(model: str) -> nn.Module:
+    layers, width = MLPS[model]
     return nn.Sequential(
-        *(layer for _ in range(50) for layer in (nn.Linear(MLP_WIDTH, MLP_WIDTH), nn.ReLU()))
+        *(layer for _ in range(layers) for layer in (nn.Linear(width, width), nn.ReLU()))
     )
 
 
 def _make(model: str) -> nn.Module:
     torch.manual_seed(0)
-    return GPT(CONFIG) if model == "demo GPT" else _mlp()
+    return GPT(CONFIG) if model == "demo GPT" else _mlp(model)
 
 
 @functools.cache
@@ -49,7 +60,8 @@ def _batch(model_name: str, rank: int) -> tuple[Tensor, Tensor]:
     """The rank's batch for ``model_name``, made once: inputs and targets."""
     if model_name == "demo GPT":
         return synthetic_batch(CONFIG, BATCH, rank, 0)
-    inputs = torch.randn(4 * BATCH, MLP_WIDTH, generator=torch.Generator().manual_seed(rank))
+    width = MLPS[model_name][1]
+    inputs = torch.randn(4 * BATCH, width, generator=torch.Generator().manual_seed(rank))
     return inputs, torch.zeros(())
 
 
@@ -72,10 +84,14 @@ def _serve(rank: int, world_size: int, port: int) -> int:
     store = connect(port)
     models: dict[str, nn.Module] = {}
     for model in MODELS:
+        cap = CAP_MB.get(model)
         ours = _make(model)
-        replicate(ours)
+        replicate(ours, bucket_cap_mb=cap)
         models[f"torchcontract/{model}"] = ours
-        models[f"torch/{model}"] = DistributedDataParallel(_make(model))
+        models[f"torch/{model}"] = DistributedDataParallel(_make(model), bucket_cap_mb=cap)
+    models[f"{UNUSED}/{BUCKETED}"] = DistributedDataParallel(
+        _make(BUCKETED), bucket_cap_mb=CAP_MB[BUCKETED], find_unused_parameters=True
+    )
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
 
     def run(command: str) -> None:
@@ -87,6 +103,7 @@ def _serve(rank: int, world_size: int, port: int) -> int:
 @pytest.fixture(scope="module")
 def ranks() -> Iterator[ServingRanks]:
     keys = [f"{name}/{model}" for model in MODELS for name in NAMES]
+    keys.append(f"{UNUSED}/{BUCKETED}")
     with serving(_serve, keys) as serving_ranks:
         yield serving_ranks
 
@@ -107,3 +124,19 @@ def test_training_step(
         batch=BATCH,
     )
     time_steps(benchmark, ranks, key, f"torch/{model}")
+
+
+@pytest.mark.parametrize("name", ["torchcontract", UNUSED])
+def test_training_step_against_find_unused_parameters(
+    benchmark: BenchmarkFixture, ranks: ServingRanks, name: str
+) -> None:
+    """The bucketed MLP's step against DDP(find_unused_parameters=True), the same semantics."""
+    label(
+        benchmark,
+        workload=f"training step, {BUCKETED} on 2 gloo ranks, vs find_unused_parameters=True",
+        library="torchcontract" if name == "torchcontract" else "torch",
+        api="replicate" if name == "torchcontract" else "DistributedDataParallel",
+        parameters=sum(p.numel() for p in _make(BUCKETED).parameters()),
+        batch=BATCH,
+    )
+    time_steps(benchmark, ranks, f"{name}/{BUCKETED}", f"{UNUSED}/{BUCKETED}")

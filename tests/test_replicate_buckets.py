@@ -6,8 +6,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import Tensor
+from torch._C._distributed_c10d import _compute_bucket_assignment_by_size
 
-from torchcontract.apis.replicate._buckets import assign_buckets, launch_buckets
+from torchcontract.apis.replicate._buckets import assign_buckets, assign_buckets_as_ddp
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
@@ -62,30 +63,18 @@ def test_buckets_launch_in_the_order_their_first_member_comes() -> None:
     assert assign_buckets(members, [1, 0, 2], 1024, 1024) == [[1], [0, 2]]
 
 
-# ----------------------------------------------------------------- launch order, as DDP's reducer
+# ----------------------------------------------------------------- DDP's own assignment
 
 
-def test_the_bucket_launched_last_is_the_small_one() -> None:
-    """DDP fills from the parameters defined first: the 1 KiB bucket holds them, launched last."""
-    members = [torch.empty(256) for _ in range(8)]  # 1 KiB each
-    buckets = launch_buckets(members, range(7, -1, -1), last_cap=1024, cap=4096)
-    assert buckets == [[7, 6, 5], [4, 3, 2, 1], [0]]
+@given(tensors, st.lists(st.integers(1, 400), min_size=1, max_size=3))
+def test_the_reducers_assignment_is_ddps_own(members: list[Tensor], limits: list[int]) -> None:
+    """``assign_buckets_as_ddp`` gives the buckets of DDP's C++ function, on any kinds and caps."""
+    ours = assign_buckets_as_ddp(members, range(len(members)), limits)
+    theirs, _ = _compute_bucket_assignment_by_size(members, limits)
+    assert sorted(ours, key=min) == theirs
 
 
 def test_a_bucket_closes_once_it_reaches_its_cap_as_ddps() -> None:
     """Not before it would exceed it: 600 + 600 bytes close a 1,000-byte bucket."""
     members = [torch.empty(150) for _ in range(3)]  # 600 bytes each
-    assert launch_buckets(members, [2, 1, 0], 1000, 1000) == [[2], [1, 0]]
-
-
-@given(tensors, st.data(), st.integers(1, 200), st.integers(1, 400))
-def test_launch_buckets_partition_the_order_by_kind(
-    members: list[Tensor], data: st.DataObject, last_cap: int, cap: int
-) -> None:
-    order = data.draw(st.permutations(range(len(members))))
-    buckets = launch_buckets(members, order, last_cap, cap)
-    assert sorted(index for bucket in buckets for index in bucket) == list(range(len(members)))
-    for bucket in buckets:
-        assert len({members[index].dtype for index in bucket}) == 1
-        positions = [order.index(index) for index in bucket]
-        assert positions == sorted(positions)  # within a bucket, in launch order
+    assert assign_buckets_as_ddp(members, range(3), [1000]) == [[0, 1], [2]]

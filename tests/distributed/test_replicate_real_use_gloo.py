@@ -230,6 +230,15 @@ def _mismatches(rank: int) -> Results:
     deep = 3 if rank == 1 else 2
     results["width"] = _mismatch_message(rank, wide, 2)
     results["layers"] = _mismatch_message(rank, 8, deep)
+    # The same names and shapes, another dtype: only the dtype tells them apart.
+    double = _head("dataclass")
+    if rank == 1:
+        double.double()
+    try:
+        replicate(double)
+        results["dtype"] = "no error"
+    except ModelMismatchError as error:
+        results["dtype"] = f"{type(error).__name__}: {error}"
     frozen = _head("dataclass")
     if rank == 1:
         frozen.out.bias.requires_grad_(False)
@@ -631,6 +640,16 @@ def test_different_widths_on_different_ranks_raise_on_every_rank(ranks: list[Res
         assert (
             "parameter 'layers.0.weight' is float32 of shape (8, 8), requires grad on rank 0 "
             "but float32 of shape (9, 9), requires grad on rank 1" in message
+        )
+
+
+def test_models_that_differ_in_dtype_alone_raise_on_every_rank(ranks: list[Results]) -> None:
+    for rank in ranks:
+        message = rank["mismatch"]["dtype"]
+        assert message.startswith("ModelMismatchError: replicate on Head: the ranks hold different")
+        assert (
+            "parameter 'layers.0.weight' is float32 of shape (8, 8), requires grad on rank 0 "
+            "but float64 of shape (8, 8), requires grad on rank 1" in message
         )
 
 

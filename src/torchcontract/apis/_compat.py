@@ -17,10 +17,12 @@ import torch.distributed as dist
 import torch.distributed.fsdp
 from torch.distributed.device_mesh import DeviceMesh, _mesh_resources
 from torch.distributed.fsdp._fully_shard import _fully_shard
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils import checkpoint as torch_checkpoint
 
 __all__ = [
     "DATA_PARALLEL_MESH_DIMS",
+    "DDP_KEYWORDS",
     "OLDEST_TESTED",
     "REFERENCE_FULLY_SHARD_ON_CPU",
     "TORCH_VERSION",
@@ -39,6 +41,14 @@ OLDEST_TESTED: Final = (2, 6)
 #: CPU with gloo: torch 2.6's fails there (its CPU stream has no ``record_event``);
 #: 2.13 and 2.14 run; the releases between are not tested, so not assumed.
 REFERENCE_FULLY_SHARD_ON_CPU: Final = TORCH_VERSION >= (2, 13)
+
+#: The keywords this torch's ``DistributedDataParallel`` takes: ``replicate`` refuses one
+#: of DDP's keywords this torch's DDP lacks (newer releases add some).
+DDP_KEYWORDS: Final = frozenset(
+    inspect.signature(
+        cast(Callable[..., None], vars(DistributedDataParallel)["__init__"])
+    ).parameters
+)
 
 _generator: Final = cast(
     Callable[..., Generator[None, None, None]],

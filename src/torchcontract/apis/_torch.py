@@ -14,7 +14,7 @@ from typing import Any, Final, ParamSpec, TypeVar, cast
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch._C._distributed_c10d import _compute_bucket_assignment_by_size
+from torch.distributed.algorithms.join import _JoinConfig
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils.hooks import RemovableHandle
 
@@ -28,18 +28,20 @@ __all__ = [
     "all_gather_objects_over",
     "all_reduce",
     "all_reduce_blocking",
+    "all_reduce_max",
     "barrier",
     "broadcast",
-    "bucket_assignment",
     "checkpoint_generator",
     "checkpoint_is_valid",
     "copy_each",
     "current_graph_task_id",
     "device_module_initialized",
+    "disabled_join_config",
     "fork_rng",
     "get_device_states",
     "infer_device_type",
     "manual_seed",
+    "nccl_version",
     "optimizer_step",
     "outside_compile",
     "queue_callback",
@@ -54,6 +56,7 @@ __all__ = [
     "swap_tensors",
     "to_bools",
     "to_ints",
+    "work_tensor",
 ]
 
 #: torch's non-reentrant checkpoint generator, as this torch release calls it.
@@ -127,6 +130,31 @@ _broadcast: Final = cast(Callable[..., dist.Work | None], dist.broadcast)
 def all_reduce(tensor: Tensor, group: dist.ProcessGroup) -> dist.Work:
     """Start a sum all-reduce of ``tensor`` in place over ``group``; wait on the handle."""
     return _all_reduce(tensor, group=group, async_op=True)
+
+
+def disabled_join_config() -> _JoinConfig:
+    """The config ``Join`` finds on a joinable outside any ``Join`` (joining disabled)."""
+    make = cast(
+        Callable[[], _JoinConfig],
+        getattr(_JoinConfig, "construct_disabled_join_config"),  # noqa: B009 (untyped)
+    )
+    return make()
+
+
+def nccl_version() -> tuple[int, ...]:
+    """The NCCL version this torch was built with."""
+    return cast(Callable[[], tuple[int, ...]], getattr(torch.cuda, "nccl").version)()  # noqa: B009
+
+
+def all_reduce_max(tensor: Tensor, group: dist.ProcessGroup) -> None:
+    """Replace ``tensor`` in place by its largest value over ``group``, and wait for it."""
+    _all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
+
+def work_tensor(work: dist.Work) -> Tensor:
+    """The first tensor a finished collective's future holds."""
+    future = cast(Callable[[], torch.futures.Future[list[Tensor]]], work.get_future)()
+    return future.value()[0]
 
 
 def all_reduce_blocking(tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
@@ -275,23 +303,6 @@ def register_load_state_dict_post_hook(
     """Call ``hook(module, incompatible_keys)`` after ``load_state_dict`` wrote ``module``."""
     register = cast(_RegisterHook, module.register_load_state_dict_post_hook)
     return register(hook)
-
-
-_bucket_assignment: Final = cast(
-    Callable[[list[Tensor], list[int]], tuple[list[list[int]], list[int]]],
-    _compute_bucket_assignment_by_size,
-)
-
-
-def bucket_assignment(tensors: list[Tensor], limits: list[int]) -> list[list[int]]:
-    """DDP's buckets for ``tensors`` in this order (C++, ``reducer.cpp``), as index lists.
-
-    Per device and dtype, a bucket closes once it holds ``limits[k]`` bytes or more
-    (the k-th bucket of that kind, the last limit repeating); the buckets are
-    sorted by the first index each holds.
-    """
-    buckets, _ = _bucket_assignment(tensors, limits)
-    return buckets
 
 
 _all_gather_object_over: Final = cast(Callable[..., None], dist.all_gather_object)

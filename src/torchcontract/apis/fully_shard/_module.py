@@ -11,18 +11,18 @@ and group. A rolled-back apply puts the original class back. The class's
 ``__qualname__`` stays the original's, so that errors, which label modules by
 qualified name, keep naming the user's class.
 
-``copy.deepcopy`` of such a module is refused, as FSDP2 refuses it: a copy would
-hold the shards with no group to gather them (its forward would fail inside
-torch), and giving it one would carry the application to the copy, which copies
-never do (docs/semantics.md, Copies). A state dict moves a sharded model instead.
-A pickle is of the original class: its hooks stand aside (no process group
-pickles), so it holds the shards for their state dict and is not sharded by
-``fully_shard``, and must not claim to be.
+The class is made, cached and restored by ``apis._swapped_class``, which
+``replicate`` shares. ``copy.deepcopy`` of such a module is refused, as FSDP2
+refuses it: a copy would hold the shards with no group to gather them (its
+forward would fail inside torch), and giving it one would carry the application
+to the copy, which copies never do (docs/semantics.md, Copies). A state dict
+moves a sharded model instead. A pickle is of the original class: its hooks
+stand aside (no process group pickles), so it holds the shards for their state
+dict and is not sharded by ``fully_shard``, and must not claim to be.
 """
 
 from __future__ import annotations
 
-import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, NoReturn, cast
@@ -35,6 +35,7 @@ from torch.distributed.fsdp import FSDPModule, UnshardHandle
 from torchcontract import ContractError, NotAppliedError, module_label
 
 from .. import _compat
+from .._swapped_class import original_class, reduce_as_original, restore_class, swapped_class
 from ._group import ParamGroup, Phase
 from ._hooks import ForwardHooks, in_backward
 from ._managed import MANAGED
@@ -323,15 +324,7 @@ class FullyShardModule(FSDPModule):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickles are of the original class (their hooks stand aside)."""
-        reduced = super().__reduce_ex__(protocol)
-        if not isinstance(reduced, tuple) or len(reduced) < 2:
-            return reduced
-        arguments = cast(tuple[Any, ...], reduced[1])
-        if not arguments or arguments[0] is not type(self):
-            return reduced
-        # copyreg.__newobj__ insists on the object's own class; this builds the original.
-        original = original_class(cast("type[nn.Module]", type(self)))
-        return (_new_object, (original, *arguments[1:]), *reduced[2:])
+        return reduce_as_original(cast(nn.Module, self), super().__reduce_ex__(protocol))
 
 
 def unshard_group(group: ParamGroup, async_op: bool) -> UnshardHandle | None:
@@ -356,11 +349,6 @@ class _PendingUnshard(UnshardHandle):
 
     def wait(self) -> None:
         self._group.unshard()
-
-
-def _new_object(cls: type[Any], *args: object) -> object:
-    """``cls.__new__(cls, *args)``: how a copy or an unpickled module is made."""
-    return cls.__new__(cls, *args)
 
 
 class _ForwardMethodState:
@@ -393,39 +381,9 @@ class _ForwardMethodState:
         return output if result is None else result
 
 
-_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
-_ORIGINALS: dict[type[nn.Module], type[nn.Module]] = {}
-_LOCK = threading.Lock()
-
-
 def fully_shard_class(cls: type[nn.Module]) -> type[nn.Module]:
     """``FSDP<Name>(FullyShardModule, cls)``, made once per class (thread-safe)."""
-    if issubclass(cls, FullyShardModule):
-        return cls
-    with _LOCK:
-        made = _CLASSES.get(cls)
-        if made is None:
-            made = cast(
-                "type[nn.Module]",
-                type(
-                    f"FSDP{cls.__name__}",
-                    (FullyShardModule, cls),
-                    {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
-                ),
-            )
-            _CLASSES[cls] = made
-            _ORIGINALS[made] = cls
-    return made
-
-
-def original_class(cls: type[nn.Module]) -> type[nn.Module]:
-    """The class ``fully_shard_class`` made ``cls`` from (``cls`` itself if none)."""
-    return _ORIGINALS.get(cls, cls)
-
-
-def restore_class(module: nn.Module) -> None:
-    """Give ``module`` back the class it had before ``fully_shard`` swapped it."""
-    module.__class__ = original_class(type(module))
+    return swapped_class(FullyShardModule, "FSDP", cls)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -6,6 +6,8 @@ instead of a wrapper module. The frozen record (``ReplicateState``, in
 ``Reducer`` (``_reducer``) that only the hooks hold; ``_buckets`` decides which
 parameters are reduced together; ``_outputs`` finds the tensors in a forward's
 output; ``_same_model`` checks at apply that every rank holds the same model;
+``_module`` the class the module becomes (``ReplicateModule``: DDP's methods),
+``_join`` its Join hook, ``_comm_hook`` the communication-hook contract;
 ``_api`` holds the API, its gradient-sync switch, which
 ``torchcontract.apis.no_sync`` calls, and ``rank_local``.
 """
@@ -13,7 +15,8 @@ output; ``_same_model`` checks at apply that every rank holds the same model;
 from __future__ import annotations
 
 from ._api import rank_local, replicate
+from ._module import ReplicateModule
 from ._same_model import ModelMismatchError
 from ._state import ReplicateState
 
-__all__ = ["ModelMismatchError", "ReplicateState", "rank_local", "replicate"]
+__all__ = ["ModelMismatchError", "ReplicateModule", "ReplicateState", "rank_local", "replicate"]

@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-from collections.abc import Generator
-from typing import Any
+from collections.abc import Generator, Sequence
+from typing import Any, cast
 
 import attrs
+import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchcontract import (
     ContractError,
@@ -20,11 +22,15 @@ from torchcontract import (
     contract,
     exported_from,
     module_label,
+    named_tree,
+    on_rollback,
 )
 
-from .. import _torch
+from .. import _compat, _torch
+from .._swapped_class import restore_class
 from ..checkpoint import checkpoint, describe_value, require_bool, require_one_module
-from ._buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_BYTES, broadcast_from_first_rank
+from ._buckets import broadcast_from_first_rank
+from ._module import replicate_class, sync_switch
 from ._reducer import ParameterHook, Reducer
 from ._same_model import check_same_model
 from ._state import ReplicateState
@@ -32,6 +38,8 @@ from ._state import ReplicateState
 __all__ = ["rank_local", "replicate", "replicate_no_sync"]
 
 _MEGABYTE = 1024 * 1024
+#: DDP's ``bucket_cap_mb`` when it is None.
+_DEFAULT_CAP_MEGABYTES = 25
 
 
 def _is_reentrant(entry: RegistryEntry) -> bool:
@@ -97,18 +105,68 @@ def _group(module: nn.Module, process_group: object) -> dist.ProcessGroup:
             f"torch.distributed.ProcessGroup or None (the default group), got "
             f"{describe_value(process_group)}; pass e.g. torch.distributed.new_group(ranks)"
         )
+    try:
+        dist.get_rank(process_group)
+    except ValueError:  # torch's "Group <...> is not registered"
+        raise ValueError(
+            f"replicate on {module_label(module)}: process_group is not a group "
+            "torch.distributed knows: it was destroyed (destroy_process_group) or made "
+            "outside new_group(); pass a live group from torch.distributed.new_group(ranks)"
+        ) from None
     return process_group
 
 
-def _bucket_caps(module: nn.Module, bucket_cap_mb: object) -> tuple[int, int]:
-    """The cap of the bucket launched last and the others', in bytes, by DDP's rule.
+def _refuse_sync_batch_norm_on_cpu(module: nn.Module) -> None:
+    """As DDP at construction: SyncBatchNorm needs a GPU module (its forward would fail)."""
+    first = next(module.parameters(), None)
+    if first is None or first.device.type != "cpu":
+        return
+    for fqn, inner in named_tree(module):
+        if isinstance(inner, nn.SyncBatchNorm):
+            where = "itself" if not fqn else f"{fqn!r}"
+            raise ValueError(
+                f"replicate on {module_label(module)}: SyncBatchNorm layers only work with GPU "
+                f"modules (DistributedDataParallel refuses them on CPU too); {where} is one on "
+                "CPU: use an nn.BatchNorm layer on CPU, or move the model to a GPU"
+            )
 
-    As ``DistributedDataParallel``: with the default (None, 25 MiB) the bucket
-    launched last holds at most 1 MiB; a cap given explicitly holds for every
-    bucket.
-    """
+
+def _require_ddp_keyword(module: nn.Module, keyword: str, given: bool) -> None:
+    """Refuse a keyword of DDP's that this torch's DDP does not take, with a TypeError."""
+    if given and keyword not in _compat.DDP_KEYWORDS:
+        raise TypeError(
+            f"replicate on {module_label(module)}: {keyword}= is a keyword of a newer "
+            f"DistributedDataParallel than torch {torch.__version__}'s, which replicate "
+            "follows; upgrade torch, or leave it out"
+        )
+
+
+def _mesh_group(module: nn.Module, process_group: object, device_mesh: object) -> object:
+    """The group named by ``device_mesh`` (1-D), or ``process_group``; not both, as DDP."""
+    if device_mesh is None:
+        return process_group
+    if process_group is not None:
+        raise ValueError(
+            f"replicate on {module_label(module)}: pass process_group or device_mesh, not both "
+            "(DistributedDataParallel refuses both too)"
+        )
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(
+            f"replicate on {module_label(module)}: device_mesh takes a DeviceMesh or None, "
+            f"got {describe_value(device_mesh)}"
+        )
+    if device_mesh.ndim != 1:
+        raise ValueError(
+            f"replicate on {module_label(module)}: device_mesh must be 1-D (as "
+            f"DistributedDataParallel's), got {device_mesh.ndim} dims; pass "
+            'mesh["dp"], a 1-D slice'
+        )
+    return device_mesh.get_group(0)
+
+
+def _bucket_cap_bytes(module: nn.Module, bucket_cap_mb: object) -> int:
     if bucket_cap_mb is None:
-        return FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * _MEGABYTE
+        return _DEFAULT_CAP_MEGABYTES * _MEGABYTE
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, numbers.Real):
         raise TypeError(
             f"replicate on {module_label(module)}: bucket_cap_mb takes a number of megabytes "
@@ -120,8 +178,21 @@ def _bucket_caps(module: nn.Module, bucket_cap_mb: object) -> tuple[int, int]:
             f"replicate on {module_label(module)}: bucket_cap_mb must be positive and finite, "
             f"got {bucket_cap_mb}; DistributedDataParallel's default is 25"
         )
-    cap = max(1, int(megabytes * _MEGABYTE))
-    return cap, cap
+    return max(1, int(megabytes * _MEGABYTE))
+
+
+def _cap_list_bytes(module: nn.Module, bucket_cap_mb_list: object) -> tuple[int, ...]:
+    """``bucket_cap_mb_list`` in bytes, each cap checked as ``bucket_cap_mb``; () for None."""
+    if bucket_cap_mb_list is None:
+        return ()
+    described = describe_value(bucket_cap_mb_list)
+    if not isinstance(bucket_cap_mb_list, (list, tuple)) or not bucket_cap_mb_list:
+        raise TypeError(
+            f"replicate on {module_label(module)}: bucket_cap_mb_list takes a non-empty list of "
+            f"megabytes, one per bucket, got {described}"
+        )
+    caps = cast("list[object] | tuple[object, ...]", bucket_cap_mb_list)
+    return tuple(_bucket_cap_bytes(module, cap) for cap in caps)
 
 
 def _require_trainable(module: nn.Module, named: list[tuple[str, nn.Parameter]]) -> None:
@@ -148,6 +219,12 @@ def replicate(
     process_group: dist.ProcessGroup | None = None,
     bucket_cap_mb: float | None = None,
     broadcast_buffers: bool = True,
+    find_unused_parameters: bool = True,
+    static_graph: bool = False,
+    gradient_as_bucket_view: bool = False,
+    init_sync: bool = True,
+    device_mesh: DeviceMesh | None = None,
+    bucket_cap_mb_list: Sequence[float] | None = None,
 ) -> None:
     """Average ``module``'s gradients over ``process_group`` (default: the world) in backward.
 
@@ -173,11 +250,41 @@ def replicate(
         module: The model (one module; a list is refused).
         process_group: The group gradients are averaged over; the default group if
             None.
-        bucket_cap_mb: At most this many MiB of gradients are reduced in one
-            collective; None (the default) is 25 MiB, with the bucket launched last
-            (the parameters defined first) at most 1 MiB, as DDP's.
+        bucket_cap_mb: The MiB of gradients reduced in one collective, as DDP
+            counts them (a bucket closes once it holds the cap; the first one's cap
+            is 1 MiB); None is DDP's default, 25.
         broadcast_buffers: Copy rank 0's buffers to every rank before each forward
             that follows a synchronizing one, as DDP does.
+        find_unused_parameters: As DDP's: True (the default here; DDP's is False)
+            averages every parameter some rank used, and leaves alone those none
+            used; False keeps no such bookkeeping (no flags travel with the
+            gradients, and with a communication hook the buckets are rebuilt in
+            the order gradients arrived, as DDP's), and a synchronized backward
+            in which a parameter gets no gradient raises DDP's error.
+        static_graph: As DDP's: the promise that every iteration uses the same
+            parameters; with a communication hook the buckets are then rebuilt
+            in the order gradients arrived, as DDP's. The numbers do not change.
+        gradient_as_bucket_view: As DDP's: after a synchronized backward each
+            averaged ``.grad`` is a view into its bucket's buffer, so the model
+            holds one copy of its gradients instead of two; the next backward
+            accumulates into it in place (with ``zero_grad(set_to_none=False)``;
+            ``set_to_none=True`` frees the views and the next backward allocates
+            new gradients, copied in once more).
+        init_sync: As DDP's: False skips the check that every rank holds the same
+            model and the copy of rank 0's parameters and buffers (the ranks must
+            then hold the same values already).
+        device_mesh: A 1-D ``DeviceMesh`` whose group gradients are averaged
+            over, instead of ``process_group`` (not both), as DDP's.
+        bucket_cap_mb_list: As DDP's (torch 2.13 on; refused with a ``TypeError``
+            where this torch's DDP lacks it): the cap of each bucket in turn, the
+            last repeated; ``bucket_cap_mb`` is then ignored, and the buckets are
+            DDP's.
+
+    The module becomes an instance of ``Replicate<Class>``, a subclass of its class
+    and of ``ReplicateModule``, which carries ``DistributedDataParallel``'s methods
+    (``no_sync()``, ``join()``, ``join_hook()``, ``join_device``,
+    ``join_process_group``, ``register_comm_hook()``); a failed apply puts the
+    class back.
 
     Returns:
         ``module`` itself (the contract returns what it was given), typed as given.
@@ -187,35 +294,54 @@ def replicate(
         ModelMismatchError: The ranks hold different models (raised on every rank).
         InvalidTargetError: ``module`` has no parameter that requires a gradient, or
             is a list.
-        ValueError: ``bucket_cap_mb`` is not positive and finite, or this rank is not
-            in ``process_group``.
+        ValueError: ``bucket_cap_mb`` is not positive and finite; this rank is not
+            in ``process_group``, or it was destroyed or made outside ``new_group``;
+            the module holds a ``SyncBatchNorm`` on CPU (as DDP, which needs a GPU
+            for it); ``process_group`` and ``device_mesh`` are both given, or the
+            mesh is not 1-D.
         TypeError: An argument is of the wrong type.
         IncompatibleAPIError: A rule forbids the combination (see above).
     """
     require_one_module("replicate", module)
-    last_cap_bytes, cap_bytes = _bucket_caps(module, bucket_cap_mb)
+    _refuse_sync_batch_norm_on_cpu(module)
+    _require_ddp_keyword(module, "bucket_cap_mb_list", bucket_cap_mb_list is not None)
+    cap_list = _cap_list_bytes(module, bucket_cap_mb_list)
+    cap_bytes = max(cap_list) if cap_list else _bucket_cap_bytes(module, bucket_cap_mb)
     require_bool("replicate", module, "broadcast_buffers", broadcast_buffers)
-    group = _group(module, process_group)
-    if group.size() > 1:
+    require_bool("replicate", module, "find_unused_parameters", find_unused_parameters)
+    require_bool("replicate", module, "static_graph", static_graph)
+    require_bool("replicate", module, "gradient_as_bucket_view", gradient_as_bucket_view)
+    require_bool("replicate", module, "init_sync", init_sync)
+    _require_ddp_keyword(module, "init_sync", init_sync is not True)
+    _require_ddp_keyword(module, "device_mesh", device_mesh is not None)
+    group = _group(module, _mesh_group(module, process_group, device_mesh))
+    if group.size() > 1 and init_sync:
         check_same_model(module, group)
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     _require_trainable(module, named)
-    if group.size() > 1:
+    if group.size() > 1 and init_sync:
         broadcast_from_first_rank([*module.parameters(), *module.buffers()], group, cap_bytes)
     reducer = Reducer(
         module,
         replicate.application(module),
         group=group,
         named=named,
-        last_cap_bytes=last_cap_bytes,
         cap_bytes=cap_bytes,
+        default_cap=bucket_cap_mb is None and not cap_list,
+        find_unused=find_unused_parameters,
+        rebuild_with_hook=static_graph or not find_unused_parameters,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+        cap_list=cap_list,
         on_synchronized=_count_synchronization,
+        update=replicate.update,
     )
     for index, (_, parameter) in enumerate(named):
         _torch.register_post_accumulate_grad_hook(parameter, ParameterHook(reducer, index))
     hooks = _ForwardHooks(reducer)
     module.register_forward_pre_hook(hooks.before)
     module.register_forward_hook(hooks.after)
+    on_rollback(_Undo(module, reducer))
+    module.__class__ = replicate_class(type(module))
     replicate.update(
         module,
         lambda record: attrs.evolve(
@@ -236,12 +362,9 @@ def replicate_no_sync(module: nn.Module) -> Generator[None]:
     accumulated. Raises ``NotAppliedError`` if ``replicate`` is not applied to
     ``module``. Restores the previous setting on exit, so blocks nest.
     """
-    previous = replicate.state(module).sync_gradients
-    replicate.update(module, lambda record: attrs.evolve(record, sync_gradients=False))
-    try:
+    replicate.state(module)  # NotAppliedError if not applied
+    with sync_switch(module, sync_gradients=False):
         yield
-    finally:
-        replicate.update(module, lambda record: attrs.evolve(record, sync_gradients=previous))
 
 
 @contextlib.contextmanager
@@ -266,9 +389,18 @@ def rank_local(module: nn.Module) -> Generator[None]:
     Raises:
         NotAppliedError: ``replicate`` is not applied to ``module``.
     """
-    previous = replicate.state(module).rank_local
-    replicate.update(module, lambda record: attrs.evolve(record, rank_local=True))
-    try:
+    replicate.state(module)  # NotAppliedError if not applied
+    with sync_switch(module, rank_local=True):
         yield
-    finally:
-        replicate.update(module, lambda record: attrs.evolve(record, rank_local=previous))
+
+
+class _Undo:
+    """Put the module's class back and forget its reducer, if the apply rolls back."""
+
+    def __init__(self, module: nn.Module, reducer: Reducer) -> None:
+        self._module = module
+        self._reducer = reducer
+
+    def __call__(self) -> None:
+        restore_class(self._module)
+        self._reducer.forget(self._module)

@@ -1,10 +1,11 @@
 """Bucketing: which parameters are reduced together, and broadcasts in flat chunks.
 
-As ``DistributedDataParallel``: buckets hold one device and dtype each and up to
-``bucket_cap_mb``; under the default cap, the bucket launched last (the
-parameters defined first, whose gradients arrive last) holds at most 1 MiB, so
-that little is left to reduce once the backward ends; a parameter larger than a
-cap gets a bucket of its own.
+As ``DistributedDataParallel``: buckets hold one device and dtype each; under the
+default cap, the bucket of the parameters defined first (launched last) holds
+1 MiB, the others ``bucket_cap_mb``. The reducer's buckets are DDP's
+(``assign_buckets_as_ddp``: a bucket closes once it holds its cap); broadcasts go
+in chunks of at most the cap (``assign_buckets``: a tensor larger than the cap
+gets a chunk of its own).
 """
 
 from __future__ import annotations
@@ -19,17 +20,15 @@ from torch import Tensor
 from .. import _torch
 
 __all__ = [
-    "DEFAULT_BUCKET_CAP_MB",
     "FIRST_BUCKET_BYTES",
     "assign_buckets",
+    "assign_buckets_as_ddp",
+    "broadcast_from",
     "broadcast_from_first_rank",
-    "launch_buckets",
 ]
 
-#: DDP's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: the first bucket's cap under the default cap.
+#: DDP's ``dist._DEFAULT_FIRST_BUCKET_BYTES``.
 FIRST_BUCKET_BYTES: Final = 1024 * 1024
-#: DDP's cap when ``bucket_cap_mb`` is None.
-DEFAULT_BUCKET_CAP_MB: Final = 25
 
 _Kind = tuple[torch.device, torch.dtype]
 
@@ -37,10 +36,7 @@ _Kind = tuple[torch.device, torch.dtype]
 def assign_buckets(
     tensors: Sequence[Tensor], order: Iterable[int], first_cap: int, cap: int
 ) -> list[list[int]]:
-    """Split the indices of ``tensors``, taken in ``order``, into buckets, in that order.
-
-    The first bucket of each device and dtype is capped at ``first_cap``, the others at ``cap``.
-    """
+    """Split the indices of ``tensors``, taken in ``order``, into buckets, in launch order."""
     buckets: list[list[int]] = []
     # Per kind: the open bucket, its bytes so far, and its cap (first_cap for the first).
     open_buckets: dict[_Kind, tuple[list[int], int, int]] = {}
@@ -58,28 +54,53 @@ def assign_buckets(
     return buckets
 
 
-def launch_buckets(
-    tensors: Sequence[Tensor], launch_order: Sequence[int], last_cap: int, cap: int
+def assign_buckets_as_ddp(
+    tensors: Sequence[Tensor], order: Iterable[int], limits: Sequence[int]
 ) -> list[list[int]]:
-    """DDP's buckets for gradients arriving in ``launch_order``, in that order.
+    """DDP's ``_compute_bucket_assignment_by_size``: the indices of ``tensors`` in buckets.
 
-    DDP's own assignment (``_torch.bucket_assignment``) over the reverse of the
-    launch order (the definition order, before a rebuild), reversed back: a bucket
-    closes once it reaches its cap, and the one capped at ``last_cap`` is launched last.
+    Unlike ``assign_buckets``, a bucket takes each tensor first and closes once it
+    holds at least its cap (so it may exceed it by its last tensor). The caps of
+    each kind's buckets are ``limits`` in turn, the last one repeated. The buckets
+    closed come first, in the order they closed, then those left open, in the
+    order they opened. Where a communication hook's result depends on the
+    buckets, they must be DDP's.
     """
-    order = list(reversed(launch_order))
-    limits = [last_cap, cap] if last_cap < cap else [cap]
-    filled = _torch.bucket_assignment([tensors[index] for index in order], limits)
-    return [[order[position] for position in reversed(bucket)] for bucket in reversed(filled)]
+    buckets: list[list[int]] = []
+    # Per kind: the open bucket, its bytes so far, and the position of its cap in limits.
+    open_buckets: dict[_Kind, tuple[list[int], int, int]] = {}
+    opened: list[list[int]] = []
+    for index in order:
+        tensor = tensors[index]
+        kind = (tensor.device, tensor.dtype)
+        bucket, used, position = open_buckets.get(kind, ([], 0, 0))
+        if not bucket:
+            opened.append(bucket)
+        bucket.append(index)
+        used += tensor.numel() * tensor.element_size()
+        if used >= limits[position]:
+            buckets.append(bucket)
+            opened = [other for other in opened if other is not bucket]
+            open_buckets[kind] = ([], 0, min(position + 1, len(limits) - 1))
+        else:
+            open_buckets[kind] = (bucket, used, position)
+    return buckets + opened
 
 
 def broadcast_from_first_rank(
     tensors: Sequence[Tensor], group: dist.ProcessGroup, cap_bytes: int
 ) -> None:
     """Overwrite ``tensors`` with the group's first rank's values, in flat chunks per kind."""
+    broadcast_from(tensors, group, cap_bytes, 0)
+
+
+def broadcast_from(
+    tensors: Sequence[Tensor], group: dist.ProcessGroup, cap_bytes: int, source_rank: int
+) -> None:
+    """Overwrite ``tensors`` with group rank ``source_rank``'s values, in flat chunks per kind."""
     if not tensors:
         return
-    source = dist.get_global_rank(group, 0)
+    source = dist.get_global_rank(group, source_rank)
     with torch.no_grad():
         for chunk in assign_buckets(tensors, range(len(tensors)), cap_bytes, cap_bytes):
             members = [tensors[index] for index in chunk]

@@ -19,20 +19,33 @@ Semantics are those of ``DistributedDataParallel(find_unused_parameters=True)``:
   After the first synchronizing backward the buckets are rebuilt in the order
   gradients arrived on the first rank, so later backwards launch them early.
 
-The reducer holds the module and its parameters weakly: the hooks hold the
-reducer, and dropping the model frees it.
+* With a communication hook (``register_comm_hook``) each bucket's buffer holds
+  the gradients alone, undivided, and the hook reduces it; whether a parameter
+  was used is then all-reduced once per backward, after the buckets, as DDP
+  does. The buckets then take DDP's sizes (``bucket_cap_mb``, a 1 MiB first one
+  only with the default cap), since a hook's result may depend on them.
+* Under ``torch.distributed.algorithms.Join`` (``join.py``), a rank whose inputs
+  ran out shadows the others' collectives (``shadow``) with zeros.
+
+The reducer holds the module and its parameters weakly: the hooks and the
+module's class methods (through ``reducer_of``) hold the reducer, and dropping
+the model frees it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Final, cast
 
+import attrs
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._C._distributed_c10d import GradBucket
+from torch.distributed.algorithms.join import Join, Joinable, _JoinConfig
 
 from torchcontract import (
     Application,
@@ -44,11 +57,12 @@ from torchcontract import (
 )
 
 from .. import _torch
-from ._buckets import FIRST_BUCKET_BYTES, broadcast_from_first_rank, launch_buckets
+from ._buckets import FIRST_BUCKET_BYTES, assign_buckets_as_ddp, broadcast_from
+from ._comm_hook import Bucket, CommHook
 from ._outputs import find_tensors
 from ._state import ReplicateState
 
-__all__ = ["Reducer"]
+__all__ = ["Reducer", "reducer_of"]
 
 #: A model's gradients are reduced in this many buckets at least, where the caps allow.
 #: More overlap less of the backward than each collective costs on its own: on 2 gloo
@@ -58,6 +72,21 @@ _MIN_BUCKETS: Final = 4
 
 #: Called at the end of each synchronized backward, with the new buckets once rebuilt.
 OnSynchronized = Callable[[nn.Module, tuple[tuple[str, ...], ...] | None], None]
+#: ``replicate.update``: apply a transition to the module's record.
+Update = Callable[[nn.Module, Callable[[ReplicateState], ReplicateState]], ReplicateState]
+
+#: A launched bucket: an all-reduce in place, or the future a communication hook returned.
+_Pending = tuple[int, "dist.Work | torch.futures.Future[Tensor]"]
+
+_REDUCERS: weakref.WeakKeyDictionary[nn.Module, Reducer] = weakref.WeakKeyDictionary()
+
+
+def reducer_of(module: nn.Module) -> Reducer | None:
+    """The reducer of ``module``'s live ``replicate`` application, or None."""
+    reducer = _REDUCERS.get(module)
+    if reducer is None or reducer.record(module) is None:
+        return None
+    return reducer
 
 
 class Reducer:
@@ -70,9 +99,14 @@ class Reducer:
         *,
         group: dist.ProcessGroup,
         named: Sequence[tuple[str, nn.Parameter]],
-        last_cap_bytes: int,
         cap_bytes: int,
+        default_cap: bool,
+        find_unused: bool = True,
+        rebuild_with_hook: bool = False,
+        gradient_as_bucket_view: bool = False,
+        cap_list: Sequence[int] = (),
         on_synchronized: OnSynchronized,
+        update: Update,
     ) -> None:
         self._module = weakref.ref(module)
         self._application = application
@@ -80,14 +114,35 @@ class Reducer:
         self._names = tuple(name for name, _ in named)
         self._parameters = tuple(weakref.ref(parameter) for _, parameter in named)
         self._cap_bytes = cap_bytes
+        self._default_cap = default_cap
+        self._cap_list = tuple(cap_list)  # DDP's bucket_cap_mb_list, in bytes
+        # DDP's find_unused_parameters: False keeps no used-flags; every parameter
+        # must then take part in every synchronized backward.
+        self._find_unused = find_unused
+        #: DDP's gradient_as_bucket_view: ``.grad`` left as a view into the bucket buffer.
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        # DDP rebuilds its buckets (hook or not) only with a static graph or
+        # without unused parameters found; ours differ only under a hook.
+        self._rebuild_with_hook = rebuild_with_hook
+        self.update: Final = update
+        self._comm_hook: tuple[object, CommHook] | None = None
+        # Join (see join.py): the config torch's Join sets on the module, whether
+        # to divide by the group's size or by the ranks not joined, and this
+        # forward's count of those (an all-reduce Join started).
+        self.join_config: _JoinConfig = _torch.disabled_join_config()
+        self.divide_by_initial_world_size = True
+        self._active_ranks: dist.Work | None = None
         parameters = [parameter for _, parameter in named]
         total = sum(parameter.numel() * parameter.element_size() for parameter in parameters)
         # At most the cap, and at most a quarter of the gradient bytes (but 1 MiB at
         # least), so that reductions overlap the backward on models of a few caps too.
         self._bucket_bytes = min(cap_bytes, max(FIRST_BUCKET_BYTES, total // _MIN_BUCKETS))
-        # The bucket launched last is no larger than the others (DDP's is at most 1 MiB
-        # under the default cap, and the cap given otherwise).
-        self._last_cap = min(last_cap_bytes, self._bucket_bytes)
+        # As DDP: under the default cap, a 1 MiB bucket for the parameters defined first
+        # (launched last, so that little is left to reduce once the backward ends; after
+        # a rebuild, the first to arrive); a cap given holds for every bucket.
+        self._first_cap = (
+            min(FIRST_BUCKET_BYTES, self._bucket_bytes) if default_cap else self._bucket_bytes
+        )
         self._on_synchronized = on_synchronized
         count = len(named)
         self._used = [False] * count  # accumulated into since the last synchronization
@@ -100,10 +155,27 @@ class Reducer:
         # walk over its tree that finds them on every forward.
         self._has_buffers = next(module.buffers(), None) is not None
         self._checked_torch_apis = False
-        self._launched: list[tuple[int, dist.Work]] = []  # in order, not yet waited for
-        self._set_buckets(
-            launch_buckets(parameters, range(count - 1, -1, -1), self._last_cap, self._bucket_bytes)
-        )
+        self._launched: list[_Pending] = []  # in order, not yet waited for
+        # DDP's first assignment: in the parameters' order, launched last first.
+        limits = self._cap_list or (self._first_cap, self._bucket_bytes)
+        buckets = assign_buckets_as_ddp(parameters, range(count), limits)
+        buckets.sort(key=min, reverse=True)
+        self._set_buckets(buckets)
+        _REDUCERS[module] = self
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The group gradients are averaged over."""
+        return self._group
+
+    def record(self, module: nn.Module) -> ReplicateState | None:
+        """``module``'s record if this reducer's application installed it, else None."""
+        return self._application.record(module)
+
+    def forget(self, module: nn.Module) -> None:
+        """``reducer_of(module)`` answers None from now on (a rolled-back apply)."""
+        if _REDUCERS.get(module) is self:
+            del _REDUCERS[module]
 
     @property
     def bucket_names(self) -> tuple[tuple[str, ...], ...]:
@@ -136,6 +208,7 @@ class Reducer:
                 work.wait()
         self._task = -1
         self._waiting = [len(bucket) for bucket in self._buckets]
+        self._arrived = [False] * len(self._names)  # in the synchronized backward running
         self._next = 0  # the next bucket to launch: buckets launch strictly in order
         self._launched = []
 
@@ -151,15 +224,35 @@ class Reducer:
             self._checked_torch_apis = True
         if record.rank_local:
             return
-        if (
-            not self._has_buffers
-            or not self.sync_buffers_next_forward
-            or self._group.size() == 1
-            or not record.broadcast_buffers
-        ):
-            return
+        # Under Join, tell the joined ranks this one has not joined (the sum is the
+        # count of ranks not joined); None outside Join.
+        self._active_ranks = Join.notify_join_context(cast(Joinable, module))
+        if self._will_broadcast_buffers(record):
+            # Under Join rank 0 may have joined, its buffers stale: as DDP, the last
+            # rank not joined is the source.
+            source = self._common_rank(True) if self.join_config.enable else 0
+            self._broadcast_buffers(module, source)
+
+    def _will_broadcast_buffers(self, record: ReplicateState) -> bool:
+        return (
+            self._has_buffers
+            and self.sync_buffers_next_forward
+            and self._group.size() > 1
+            and record.broadcast_buffers
+        )
+
+    def _broadcast_buffers(self, module: nn.Module, source: int) -> None:
         # Read the buffers anew each time, as DDP does: a forward may have replaced one.
-        broadcast_from_first_rank(list(module.buffers()), self._group, self._cap_bytes)
+        broadcast_from(list(module.buffers()), self._group, self._cap_bytes, source)
+
+    def _common_rank(self, candidate: bool) -> int:
+        """The largest group rank of those for which ``candidate`` holds (a collective)."""
+        rank = torch.tensor([self._group.rank() if candidate else -1], dtype=torch.int64)
+        _torch.all_reduce_max(rank, self._group)
+        found = int(rank.item())
+        if found < 0:
+            raise ContractError("replicate: no rank of the group offered itself as the source")
+        return found
 
     def after_forward(self, module: nn.Module, output: object) -> None:
         """Forward hook body: arm the outputs of a synchronizing forward.
@@ -173,9 +266,17 @@ class Reducer:
             return
         synchronizing = torch.is_grad_enabled() and record.sync_gradients
         self.sync_buffers_next_forward = synchronizing
-        if not synchronizing:
-            return
-        tensors = [tensor for tensor in find_tensors(output) if tensor.requires_grad]
+        tensors = (
+            [tensor for tensor in find_tensors(output) if tensor.requires_grad]
+            if synchronizing
+            else []
+        )
+        if self.join_config.enable:
+            # Tell the joined ranks whether buffers are broadcast before the next
+            # forward, and whether a synchronizing backward follows (see shadow).
+            _torch.all_reduce(
+                torch.tensor([float(synchronizing), float(bool(tensors))]), self._group
+            ).wait()
         if tensors:
             armed = _Armed(self)
             for tensor in tensors:
@@ -204,6 +305,7 @@ class Reducer:
             return
         if self._arrival is not None:
             self._arrival.append(index)
+        self._arrived[index] = True
         bucket = self._bucket_of[index]
         self._waiting[bucket] -= 1
         while self._next < len(self._buckets) and self._waiting[self._next] == 0:
@@ -216,17 +318,26 @@ class Reducer:
         views = self._views[position]
         if views is None:
             views = self._allocate(position)
+        flat = self._flats[position]
+        grads = [self._parameter(index).grad for index in bucket]
+        if self._comm_hook is not None or not self._find_unused:
+            # Without flags; with a hook, undivided (it reduces and divides, as with DDP).
+            if self._comm_hook is None:
+                self._copy_in(bucket, grads, views, 1.0 / self._divisor())
+                self._launched.append((position, _torch.all_reduce(flat, self._group)))
+                return
+            self._copy_in(bucket, grads, views, 1.0)
+            self._launched.append((position, self._run_comm_hook(position, flat, views[:-1])))
+            return
         # As DDP: multiply by the reciprocal (bit-equal averages). A small bucket whose
         # gradients are all present and dense takes one copy of them all and one
         # in-place multiply, both in C (a Python call per parameter would cost more
         # than the second pass); a large one is scaled while copied in, in one pass,
         # parameter by parameter.
-        scale = 1.0 / self._group.size()
-        flat = self._flats[position]
+        scale = 1.0 / self._divisor()
         flags = torch.tensor(
             [1.0 if self._used[index] else 0.0 for index in bucket], dtype=flat.dtype
         )
-        grads = [self._parameter(index).grad for index in bucket]
         dense = [grad for grad in grads if grad is not None and not grad.is_sparse]
         small = flat.numel() * flat.element_size() <= FIRST_BUCKET_BYTES
         if small and len(dense) == len(grads):
@@ -236,6 +347,24 @@ class Reducer:
             self._copy_in(bucket, grads, views, scale)
             views[-1].copy_(flags.mul_(scale))
         self._launched.append((position, _torch.all_reduce(flat, self._group)))
+
+    def _divisor(self) -> int:
+        """What the sums are divided by: the group's size, or (Join) the ranks not joined."""
+        work = self._active_ranks
+        if work is None or self.divide_by_initial_world_size:
+            return self._group.size()
+        work.wait()
+        return int(_torch.work_tensor(work).item())
+
+    def _run_comm_hook(
+        self, position: int, flat: Tensor, gradients: Sequence[Tensor]
+    ) -> torch.futures.Future[Tensor]:
+        assert self._comm_hook is not None
+        state, hook = self._comm_hook
+        parameters = [self._parameter(index) for index in self._buckets[position]]
+        last = position == len(self._buckets) - 1
+        given = Bucket(position, flat, gradients, parameters, is_last=last)
+        return hook(state, cast(GradBucket, given))  # it answers GradBucket's methods
 
     def _copy_in(
         self,
@@ -267,14 +396,15 @@ class Reducer:
         parameters = [self._parameter(index) for index in bucket]
         sizes = [parameter.numel() for parameter in parameters]
         first = parameters[0]
-        flat = torch.empty(sum(sizes) + len(bucket), dtype=first.dtype, device=first.device)
+        flags = len(bucket) if self._flags_in_buckets else 0
+        flat = torch.empty(sum(sizes) + flags, dtype=first.dtype, device=first.device)
         self._flats[position] = flat
-        pieces = torch.split(flat, [*sizes, len(bucket)])
+        pieces = torch.split(flat, [*sizes, flags])
         views = [
             piece.view(parameter.shape)
             for piece, parameter in zip(pieces[:-1], parameters, strict=True)
         ]
-        views.append(pieces[-1])  # the used-flags
+        views.append(pieces[-1])  # the used-flags (empty with a communication hook)
         self._views[position] = views
         return views
 
@@ -288,13 +418,15 @@ class Reducer:
         """Run by the autograd engine at the end of a synchronizing backward."""
         rebuilt: tuple[tuple[str, ...], ...] | None = None
         try:
+            if not self._find_unused:
+                self._check_all_arrived()
             while self._next < len(self._buckets):
                 self._launch(self._next)
                 self._next += 1
-            while self._launched:
-                position, work = self._launched.pop(0)
-                work.wait()
-                self._write_back(position)
+            results = self._wait_launched()
+            used = self._used_everywhere(results)
+            for position, averages in results:
+                self._write_back(position, averages, used)
             if self._arrival is not None:
                 self._rebuild(self._arrival)
                 self._arrival = None
@@ -306,15 +438,94 @@ class Reducer:
         if module is not None:
             self._on_synchronized(module, rebuilt)
 
-    def _write_back(self, position: int) -> None:
+    def _wait_launched(self) -> list[tuple[int, Tensor]]:
+        """Wait for every launched bucket, in order; each one's reduced flat buffer."""
+        results: list[tuple[int, Tensor]] = []
+        while self._launched:
+            position, pending = self._launched.pop(0)
+            if isinstance(pending, dist.Work):
+                pending.wait()
+                results.append((position, self._flats[position]))
+            else:
+                results.append((position, self._hook_result(position, pending.wait())))
+        return results
+
+    def _hook_result(self, position: int, result: object) -> Tensor:
+        flat = self._flats[position]
+        if not isinstance(result, Tensor) or result.numel() != flat.numel():
+            given = (
+                f"a tensor of {result.numel()} elements"
+                if isinstance(result, Tensor)
+                else type(result).__qualname__
+            )
+            raise ContractError(
+                f"replicate: the communication hook's future for bucket {position} gave {given}, "
+                f"not a tensor of the bucket buffer's {flat.numel()} elements; return "
+                "a future of the reduced bucket.buffer()"
+            )
+        return result
+
+    @property
+    def _flags_in_buckets(self) -> bool:
+        """Whether each bucket ends with the used-flags of its parameters."""
+        return self._find_unused and self._comm_hook is None
+
+    def _check_all_arrived(self) -> None:
+        """With ``find_unused_parameters=False``: every parameter's gradient arrived, or raise.
+
+        DDP's error, raised here at the end of the backward (DDP raises it at the
+        next forward), naming the parameters.
+        """
+        missing = [
+            name for name, arrived in zip(self._names, self._arrived, strict=True) if not arrived
+        ]
+        if missing:
+            shown = ", ".join(repr(name) for name in missing[:5])
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ContractError(
+                "Expected to have finished reduction in the prior iteration before starting a "
+                "new one. This error indicates that your module has parameters that were not "
+                f"used in producing loss: replicate with find_unused_parameters=False got no "
+                f"gradient for {shown}{more} in this backward; pass "
+                "find_unused_parameters=True (the default), or use every parameter"
+            )
+
+    def _used_everywhere(self, results: list[tuple[int, Tensor]]) -> list[bool]:
+        """By parameter, whether some rank used it since the last synchronization.
+
+        Without a hook the flags travelled in the buckets; with one, they are
+        all-reduced now, once, as DDP's map of locally used parameters.
+        """
+        if not self._find_unused:
+            return [True] * len(self._names)
+        used = [False] * len(self._names)
+        if self._flags_in_buckets:
+            for position, flat in results:
+                bucket = self._buckets[position]
+                flags = _torch.to_bools(flat[flat.numel() - len(bucket) :] > 0)
+                for index, flag in zip(bucket, flags, strict=True):
+                    used[index] = flag
+            return used
+        local = torch.tensor([1 if was else 0 for was in self._used], dtype=torch.int32)
+        if self._group.size() > 1:
+            _torch.all_reduce(local, self._group).wait()
+        return _torch.to_bools(local > 0)
+
+    def _write_back(self, position: int, reduced: Tensor, used: Sequence[bool]) -> None:
         bucket = self._buckets[position]
         views = self._views[position]
-        assert views is not None
-        used = _torch.to_bools(views[-1] > 0)
+        if self.gradient_as_bucket_view and views is not None:
+            self._point_into_bucket(position, reduced, views, used)
+            return
+        if views is None or reduced is not self._flats[position]:
+            # A hook's own tensor: views of it in the parameters' shapes.
+            shapes = [self._parameter(index).shape for index in bucket]
+            pieces = torch.split(reduced, [shape.numel() for shape in shapes])
+            views = [piece.view(shape) for piece, shape in zip(pieces, shapes, strict=True)]
         grads: list[Tensor] = []
         averages: list[Tensor] = []
-        for index, average, was_used in zip(bucket, views, used, strict=False):
-            if not was_used:
+        for index, average in zip(bucket, views, strict=False):
+            if not used[index]:
                 continue
             parameter = self._parameter(index)
             grad = parameter.grad
@@ -326,17 +537,147 @@ class Reducer:
         if grads:
             _torch.copy_each(grads, averages)  # one call for the whole bucket
 
+    def _point_into_bucket(
+        self, position: int, reduced: Tensor, views: Sequence[Tensor], used: Sequence[bool]
+    ) -> None:
+        """``gradient_as_bucket_view``: each used parameter's ``.grad`` becomes its bucket view.
+
+        As DDP's: the averages stay in the bucket buffer (a hook's own tensor is
+        copied in first) and ``.grad`` is a view of it, so no gradient-sized
+        tensor is kept besides the buckets; the next backward accumulates into
+        the view in place, and the next launch scales it where it lies.
+        """
+        flat = self._flats[position]
+        if reduced is not flat:
+            flat[: reduced.numel()].copy_(reduced)
+        for index, view in zip(self._buckets[position], views, strict=False):
+            if not used[index]:
+                continue
+            parameter = self._parameter(index)
+            if parameter.grad is not view:
+                parameter.grad = view
+
+    # ------------------------------------------------------------ hooks and Join
+
+    def _ddp_limits(self) -> tuple[int, ...]:
+        """DDP's bucket caps: the list given, or 1 MiB then the cap (the default cap only)."""
+        if self._cap_list:
+            return self._cap_list
+        if self._default_cap:
+            return (FIRST_BUCKET_BYTES, self._cap_bytes)
+        return (self._cap_bytes,)
+
+    def register_comm_hook(self, module: nn.Module, state: object, hook: CommHook) -> None:
+        """From the next backward, ``hook(state, bucket)`` reduces each bucket (checked first).
+
+        The buckets take DDP's sizes and, before the first synchronized backward,
+        DDP's first assignment (in the parameters' order, launched last first),
+        which DDP with unused parameters found keeps; they are not rebuilt.
+        """
+        if self._comm_hook is not None:
+            raise ContractError(
+                f"replicate on {module_label(module)}: register_comm_hook can only be called "
+                "once (as DistributedDataParallel's); register one hook that does both"
+            )
+        if self._task != -1:
+            raise ContractError(
+                f"replicate on {module_label(module)}: register_comm_hook during a backward; "
+                "register it before training"
+            )
+        self._comm_hook = (state, hook)
+        limits = self._ddp_limits()
+        parameters = [self._parameter(index) for index in range(len(self._names))]
+        if self._arrival is not None:
+            # DDP's first assignment: in the parameters' order, sorted by their first
+            # index, launched last first. DDP rebuilds them only with a static graph
+            # or without unused parameters found, and then starts from one bucket
+            # (per kind) unless the caps of each bucket are given.
+            initial = limits
+            if self._rebuild_with_hook:
+                initial = limits if self._cap_list else (sys.maxsize,)
+            else:
+                self._arrival = None
+            order: list[int] = list(range(len(parameters)))
+            buckets = assign_buckets_as_ddp(parameters, order, initial)
+            buckets.sort(key=min, reverse=True)
+        else:
+            order = [index for bucket in self._buckets for index in bucket]
+            buckets = assign_buckets_as_ddp(parameters, order, limits)
+        self._set_buckets(buckets)
+        self.update(module, lambda record: attrs.evolve(record, buckets=self.bucket_names))
+
+    def shadow(self, module: nn.Module) -> None:
+        """On a rank whose inputs ran out, meet one forward and backward of the others.
+
+        Called by the Join hook once per iteration of the ranks not joined: the
+        buffer broadcast (from the last rank not joined), whether a synchronizing
+        backward follows, and then its all-reduces with zeros, in the buckets' order,
+        through the communication hook if one is registered.
+        """
+        record = self.record(module)
+        if record is None:
+            return
+        if self._will_broadcast_buffers(record):
+            self._broadcast_buffers(module, self._common_rank(False))
+        flags = torch.zeros(2)
+        _torch.all_reduce(flags, self._group).wait()
+        self.sync_buffers_next_forward = bool(flags[0] > 0)
+        if not bool(flags[1] > 0):
+            return
+        for position in range(len(self._buckets)):
+            views = self._views[position]
+            if views is None:
+                views = self._allocate(position)
+            flat = self._flats[position]
+            flat.zero_()
+            pending: dist.Work | torch.futures.Future[Tensor]
+            if self._comm_hook is not None:
+                pending = self._run_comm_hook(position, flat, views[:-1])
+            else:
+                pending = _torch.all_reduce(flat, self._group)
+            self._launched.append((position, pending))
+        try:
+            results = self._wait_launched()
+            if self._comm_hook is not None and self._find_unused:
+                saved, self._used = self._used, [False] * len(self._names)
+                try:
+                    self._used_everywhere(results)
+                finally:
+                    self._used = saved
+            if self._arrival is not None:
+                self._rebuild([])
+                self._arrival = None
+                self.update(module, lambda record: attrs.evolve(record, buckets=self.bucket_names))
+        finally:
+            self._reset_backward()
+
+    def sync_final_model(self, module: nn.Module, is_last_joiner: bool) -> None:
+        """After Join: every rank takes the parameters (and buffers) of the last rank to join."""
+        record = self.record(module)
+        if record is None:
+            return
+        source = self._common_rank(is_last_joiner)
+        tensors: list[Tensor] = [*module.parameters()]
+        if record.broadcast_buffers:
+            tensors.extend(module.buffers())
+        broadcast_from(tensors, self._group, self._cap_bytes, source)
+
     def _rebuild(self, arrival: list[int]) -> None:
         """Bucket anew in the first rank's arrival order (then the rest, last defined first)."""
         arrived = set(arrival)
         order = arrival + [i for i in reversed(range(len(self._names))) if i not in arrived]
-        shared = torch.tensor(order, dtype=torch.int64)
+        shared = torch.tensor(order, dtype=torch.int64)  # the first rank's, on every rank
         if self._group.size() > 1:
             _torch.broadcast(shared, dist.get_global_rank(self._group, 0), self._group)
         parameters = [self._parameter(index) for index in range(len(self._names))]
-        self._set_buckets(
-            launch_buckets(parameters, _torch.to_ints(shared), self._last_cap, self._bucket_bytes)
-        )
+        order = _torch.to_ints(shared)
+        if self._comm_hook is None and not self._cap_list:
+            buckets = assign_buckets_as_ddp(
+                parameters, order, (self._first_cap, self._bucket_bytes)
+            )
+        else:
+            buckets = assign_buckets_as_ddp(parameters, order, self._ddp_limits())
+        self._set_buckets(buckets)
 
 
 def _check_no_torch_api(root: nn.Module) -> None:

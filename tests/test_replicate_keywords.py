@@ -1,0 +1,102 @@
+"""replicate's DDP keywords refused where DDP refuses them, in one process (a group of one rank).
+
+The numbers, against DistributedDataParallel on 2 gloo ranks, are in
+``tests/distributed/test_replicate_keywords_gloo.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
+
+from torchcontract.apis import _compat, replicate
+from torchcontract.testing import free_port
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group() -> Iterator[None]:
+    assert not dist.is_initialized()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_process_group_and_a_device_mesh_together_are_refused() -> None:
+    mesh = init_device_mesh("cpu", (1,))
+    with pytest.raises(ValueError, match=r"replicate on Linear: pass process_group or device_mesh"):
+        replicate(nn.Linear(2, 2), process_group=mesh.get_group(), device_mesh=mesh)
+
+
+def test_a_two_dimensional_mesh_is_refused() -> None:
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
+    with pytest.raises(ValueError, match=r"device_mesh must be 1-D .* got 2 dims"):
+        replicate(nn.Linear(2, 2), device_mesh=mesh)
+
+
+def test_a_mesh_is_averaged_over_its_group() -> None:
+    mesh = init_device_mesh("cpu", (1,))
+    model = replicate(nn.Linear(2, 2), device_mesh=mesh)
+    assert replicate.state(model).process_group is mesh.get_group()
+
+
+@pytest.mark.parametrize("keyword", ["find_unused_parameters", "static_graph", "init_sync"])
+def test_a_flag_that_is_not_a_bool_is_refused(keyword: str) -> None:
+    with pytest.raises(TypeError, match=rf"replicate on Linear: {keyword}"):
+        replicate(nn.Linear(2, 2), **{keyword: 1})  # type: ignore[arg-type]
+
+
+def test_a_keyword_this_torchs_ddp_lacks_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_compat, "DDP_KEYWORDS", _compat.DDP_KEYWORDS - {"init_sync"})
+    with pytest.raises(TypeError, match=r"init_sync= is a keyword of a newer DistributedData"):
+        replicate(nn.Linear(2, 2), init_sync=False)
+    replicate(nn.Linear(2, 2))  # left at its default, it is not asked for
+
+
+def test_a_keyword_ddp_has_and_replicate_does_not_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="delay_all_reduce_named_params"):
+        replicate(nn.Linear(2, 2), delay_all_reduce_named_params=[])  # type: ignore[call-arg]
+
+
+# ----------------------------------------------------------------- errors DDP gives at construction
+
+
+def test_sync_batch_norm_on_cpu_is_refused_at_apply_as_ddp_refuses_it() -> None:
+    def model() -> nn.Module:
+        return nn.Sequential(nn.Linear(2, 4), nn.SyncBatchNorm(4))
+
+    with pytest.raises(ValueError, match=r"SyncBatchNorm layers only work with GPU modules"):
+        DistributedDataParallel(model())
+    target = model()
+    with pytest.raises(ValueError, match=r"on Sequential: SyncBatchNorm layers only work"):
+        replicate(target)
+    assert not replicate.is_applied(target)
+    assert type(target) is nn.Sequential
+
+
+def test_a_destroyed_group_is_named_as_such() -> None:
+    group = dist.new_group([0])
+    dist.destroy_process_group(group)
+    with pytest.raises(ValueError, match=r"process_group is not a group torch.distributed knows"):
+        replicate(nn.Linear(2, 2), process_group=group)
+
+
+def test_a_bucket_cap_mb_list_that_is_not_a_list_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"bucket_cap_mb_list takes a non-empty list of megabytes"):
+        replicate(nn.Linear(2, 2), bucket_cap_mb_list=[])
+    with pytest.raises(ValueError, match=r"bucket_cap_mb must be positive"):
+        replicate(nn.Linear(2, 2), bucket_cap_mb_list=[1.0, -1.0])
+
+
+def test_bucket_cap_mb_list_is_refused_where_ddp_lacks_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_compat, "DDP_KEYWORDS", _compat.DDP_KEYWORDS - {"bucket_cap_mb_list"})
+    with pytest.raises(TypeError, match=r"bucket_cap_mb_list= is a keyword of a newer"):
+        replicate(nn.Linear(2, 2), bucket_cap_mb_list=[1.0])
