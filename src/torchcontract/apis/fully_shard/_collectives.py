@@ -211,7 +211,8 @@ def _reduce_scatter_one_dtype(
         if not all_reduce:
             _defer(parameters, reduced, deferred)
             return
-        _take_deferred(parameters, reduced, deferred)
+        if deferred:  # only after a backward with the all-reduce off
+            _take_deferred(parameters, reduced, deferred)
         if replicas > 1:
             _torch.all_reduce(reduced, replicate_group).wait()
             if averaging:
@@ -222,11 +223,8 @@ def _reduce_scatter_one_dtype(
         after = float(world * replicas) if divide_factor is None else divide_factor
         if after != 1:
             reduced.div_(after)
-    offset = 0
-    for parameter in parameters:
-        width = parameter.padded_shard_numel
-        parameter.accumulate_shard_grad(reduced[offset : offset + width])
-        offset += width
+    for parameter, shard in zip(parameters, _slices(parameters, reduced), strict=True):
+        parameter.accumulate_shard_grad(shard)
 
 
 def _slices(parameters: Sequence[ManagedParameter], reduced: Tensor) -> list[Tensor]:
