@@ -33,7 +33,16 @@ from torchcontract import AlreadyManagedError, InvalidMeshError, module_label
 
 from .. import _compat, _torch
 
-__all__ = ["Layout", "TensorParallel", "Where", "check_post_forward", "layout_of", "local_tensor"]
+__all__ = [
+    "Layout",
+    "TensorParallel",
+    "Where",
+    "check_post_forward",
+    "data_parallel_shard",
+    "layout_of",
+    "local_tensor",
+    "placement_dim",
+]
 
 
 @attrs.frozen
@@ -68,14 +77,7 @@ class Layout:
 
     def sharded(self, local: Tensor) -> DTensor:
         """``local``, this rank's shard, as the sharded ``DTensor`` (no autograd)."""
-        return DTensor.from_local(
-            local,
-            self.mesh,
-            self.placements,
-            run_check=False,
-            shape=self.shape,
-            stride=self.stride,
-        )
+        return self._dtensor(local, self.mesh, self.placements)
 
     def unsharded(self, local: Tensor) -> Tensor:
         """``local``, the gathered tensor, as the parameter the module computes with.
@@ -86,13 +88,14 @@ class Layout:
         tensor_parallel = self.tensor_parallel
         if tensor_parallel is None:
             return local
+        return self._dtensor(local, tensor_parallel.mesh, tensor_parallel.placements)
+
+    def _dtensor(
+        self, local: Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]
+    ) -> DTensor:
+        """``local`` as this rank's part of a ``DTensor`` of the parameter's shape and stride."""
         return DTensor.from_local(
-            local,
-            tensor_parallel.mesh,
-            tensor_parallel.placements,
-            run_check=False,
-            shape=self.shape,
-            stride=self.stride,
+            local, mesh, placements, run_check=False, shape=self.shape, stride=self.stride
         )
 
     def local_grad(self, grad: Tensor) -> Tensor:
@@ -113,9 +116,23 @@ class Layout:
         return grad.to_local()
 
 
-def _placement_of(dim: int, mesh: DeviceMesh, split: int) -> tuple[Placement, ...]:
-    """The data-parallel placements: ``Shard(dim)`` (strided after a TP split), HSDP-replicated."""
-    shard: Placement = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+def data_parallel_shard(
+    dim: int, mesh: DeviceMesh, placements: Iterable[tuple[int, Placement]]
+) -> Placement:
+    """The shard dim's placement: ``Shard(dim)``, strided where ``placements`` split ``dim`` too.
+
+    ``placements`` are the later (tensor-parallel) ones, by their dim of ``mesh``:
+    rows are split on those first, then on the shard dim (FSDP2's ``_StridedShard``).
+    """
+    split = 1
+    for index, placement in placements:
+        if isinstance(placement, Shard | _StridedShard) and placement_dim(placement) == dim:
+            split *= mesh.size(index)
+    return _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+
+
+def _placement_of(dim: int, mesh: DeviceMesh, shard: Placement) -> tuple[Placement, ...]:
+    """The data-parallel placements: ``shard``, after ``Replicate()`` for HSDP."""
     return (shard,) if mesh.ndim == 1 else (Replicate(), shard)
 
 
@@ -138,7 +155,7 @@ def layout_of(
         return Layout(
             dim=dim,
             mesh=mesh,
-            placements=_placement_of(dim, mesh, 1),
+            placements=_placement_of(dim, mesh, Shard(dim)),
             local_shape=parameter.shape,
             shape=parameter.shape,
             stride=parameter.stride(),
@@ -165,14 +182,11 @@ def layout_of(
             "the data-parallel sub-mesh as mesh= (e.g. mesh['dp'] of a (dp, tp) mesh)"
         )
     combined = _combined(where, mesh, tp_mesh)
-    split = 1
-    for index, placement in enumerate(tp_placements):
-        if isinstance(placement, Shard | _StridedShard) and _shard_dim(placement) == dim:
-            split *= tp_mesh.size(index)
+    shard = data_parallel_shard(dim, tp_mesh, enumerate(tp_placements))
     return Layout(
         dim=dim,
         mesh=combined,
-        placements=(*_placement_of(dim, mesh, split), *tp_placements),
+        placements=(*_placement_of(dim, mesh, shard), *tp_placements),
         local_shape=dtensor.to_local().shape,
         shape=dtensor.shape,
         stride=dtensor.stride(),
@@ -200,7 +214,8 @@ def _combined(where: Where, mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh
     return combined
 
 
-def _shard_dim(placement: Placement) -> int:
+def placement_dim(placement: Placement) -> int:
+    """The tensor dim a ``Shard`` (or ``_StridedShard``) splits."""
     dim: int = cast(Any, placement).dim  # Shard.dim is untyped for pyright
     return dim
 

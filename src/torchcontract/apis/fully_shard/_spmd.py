@@ -22,11 +22,11 @@ from typing import Any, cast
 import attrs
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import Placement
 
 from .. import _compat
-from ._layout import Layout, TensorParallel, Where
+from ._layout import Layout, TensorParallel, Where, data_parallel_shard
 
 __all__ = ["DataParallelDims", "data_parallel_dims", "spmd_layout"]
 
@@ -134,12 +134,8 @@ def spmd_layout(
             )
     sharded: list[Placement] = list(placements)
     for shard in dims.shard:
-        split = 1
-        for index in range(shard + 1, dims.spmd_mesh.ndim):
-            later = placements[index]
-            if isinstance(later, Shard | _StridedShard) and cast(Any, later).dim == dim:
-                split *= dims.spmd_mesh.size(index)
-        sharded[shard] = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+        later = [(index, placements[index]) for index in range(shard + 1, dims.spmd_mesh.ndim)]
+        sharded[shard] = data_parallel_shard(dim, dims.spmd_mesh, later)
     mesh, sharded = _flattened(where, dims, sharded)
     return Layout(
         dim=dim,
