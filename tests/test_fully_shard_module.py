@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -393,6 +394,15 @@ def test_an_uneven_placement_on_another_dim_than_0_is_refused(mesh: DeviceMesh) 
 def test_a_placement_that_is_not_a_shard_is_refused(mesh: DeviceMesh) -> None:
     with pytest.raises(TypeError, match=r"shard_placement_fn returned a Replicate"):
         fully_shard(Net(), mesh=mesh, shard_placement_fn=lambda parameter: Replicate())  # type: ignore[arg-type,return-value]
+
+
+def test_a_placement_function_that_is_not_callable_is_refused(mesh: DeviceMesh) -> None:
+    refused = (
+        "fully_shard on Net: shard_placement_fn must be callable or None, got 0; pass a "
+        "function of a parameter returning Shard(dim) or None"
+    )
+    with pytest.raises(TypeError, match=f"^{re.escape(refused)}$"):
+        fully_shard(Net(), mesh=mesh, shard_placement_fn=0)  # type: ignore[call-overload]
 
 
 def test_dp_mesh_dims_of_another_type_is_refused(mesh: DeviceMesh) -> None:

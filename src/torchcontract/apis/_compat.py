@@ -104,12 +104,14 @@ _concatenate: Final = cast(
 def concatenate_meshes(meshes: list[DeviceMesh], where: str) -> DeviceMesh:
     """The mesh whose dims are those of ``meshes`` in order, slices of one root mesh.
 
-    Raises ``NotImplementedError`` naming ``where`` on a torch that cannot make it.
+    Raises ``NotImplementedError`` naming ``where`` (the API, module and parameter
+    that asked) on a torch that cannot make it.
     """
     if _concatenate is None:
         raise NotImplementedError(
-            f"{where} is a tensor-parallel DTensor; sharding it needs "
-            f"DeviceMesh._concatenate, which torch {torch.__version__} lacks: use a newer torch"
+            f"{where} needs DeviceMesh._concatenate, to put the data-parallel and "
+            f"tensor-parallel mesh dims side by side, which torch {torch.__version__} lacks: "
+            "use torch 2.13 or newer"
         )
     return _concatenate(meshes)
 

@@ -31,7 +31,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from torchcontract import AlreadyManagedError, InvalidMeshError, module_label
 
-from .. import _compat, _torch
+from .. import _compat
 
 __all__ = [
     "Layout",
@@ -195,9 +195,12 @@ def layout_of(
 
 
 def _combined(where: Where, mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
-    """The ``(dp..., tp...)`` mesh; ``InvalidMeshError`` unless both are named slices of one."""
+    """The ``(dp..., tp...)`` mesh; ``InvalidMeshError`` unless both are named slices of one.
+
+    Torch's concatenation refuses meshes whose ranks overlap, or of other roots.
+    """
     try:
-        combined = _compat.concatenate_meshes([mesh, tp_mesh], str(where))
+        return _compat.concatenate_meshes([mesh, tp_mesh], str(where))
     except NotImplementedError:
         raise
     except Exception as error:  # torch's own checks raise assorted types
@@ -206,12 +209,6 @@ def _combined(where: Where, mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh
             f"({type(error).__name__}: {error}); slice both from one named mesh, e.g. "
             "mesh['tp'] for parallelize_module and mesh['dp'] for fully_shard"
         ) from error
-    if len(set(_torch.to_ints(combined.mesh.reshape(-1)))) != combined.size():
-        raise InvalidMeshError(
-            f"{where} is a DTensor on a mesh whose ranks overlap fully_shard's mesh's; slice "
-            "both from one named mesh, e.g. mesh['tp'] and mesh['dp']"
-        )
-    return combined
 
 
 def placement_dim(placement: Placement) -> int:

@@ -53,7 +53,10 @@ def _names(value: object, field: str, where: Where) -> tuple[str, ...]:
         return (value,)
     if isinstance(value, tuple) and all(isinstance(name, str) for name in cast(Any, value)):
         return cast(tuple[str, ...], value)
-    raise TypeError(f"{where}: dp_mesh_dims.{field} must be a mesh dim name, a tuple or None")
+    raise TypeError(
+        f"{where}: dp_mesh_dims.{field} must be a mesh dim name, a tuple of them or None, got "
+        f"a {type(value).__qualname__}; pass e.g. DataParallelMeshDims(shard='dp')"
+    )
 
 
 def data_parallel_dims(target: nn.Module, mesh: DeviceMesh, dims: object) -> DataParallelDims:
@@ -79,7 +82,10 @@ def data_parallel_dims(target: nn.Module, mesh: DeviceMesh, dims: object) -> Dat
     replicate = _names(getattr(dims, "replicate", None), "replicate", where)
     names = mesh.mesh_dim_names
     if names is None:
-        raise ValueError(f"{where}: dp_mesh_dims needs a mesh with mesh_dim_names")
+        raise ValueError(
+            f"{where}: dp_mesh_dims names mesh dims, and the mesh has no mesh_dim_names; "
+            "build it with init_device_mesh(..., mesh_dim_names=...)"
+        )
     for name in (*shard, *replicate):
         if name not in names:
             raise ValueError(
@@ -123,7 +129,10 @@ def spmd_layout(
         )
     dtensor = cast(DTensor, parameter)
     if dtensor.device_mesh != dims.spmd_mesh:
-        raise ValueError(f"{where} is a DTensor on another mesh than the one passed as mesh=")
+        raise ValueError(
+            f"{where} is a DTensor on another mesh than the one passed as mesh=; with "
+            "dp_mesh_dims, distribute every parameter on that mesh, or pass the mesh it is on"
+        )
     placements = list(dtensor.placements)
     data_parallel = [*dims.replicate, *dims.shard]
     for index in data_parallel:
