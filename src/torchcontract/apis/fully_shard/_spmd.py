@@ -47,6 +47,8 @@ class DataParallelDims:
 
 
 def _names(value: object, field: str, where: Where) -> tuple[str, ...]:
+    """A ``DataParallelMeshDims`` field as a tuple of names; ``TypeError`` for anything else."""
+    shown = type(value).__qualname__
     if value is None:
         return ()
     if isinstance(value, str):
@@ -55,7 +57,7 @@ def _names(value: object, field: str, where: Where) -> tuple[str, ...]:
         return cast(tuple[str, ...], value)
     raise TypeError(
         f"{where}: dp_mesh_dims.{field} must be a mesh dim name, a tuple of them or None, got "
-        f"a {type(value).__qualname__}; pass e.g. DataParallelMeshDims(shard='dp')"
+        f"a {shown}; pass e.g. DataParallelMeshDims(shard='dp')"
     )
 
 
