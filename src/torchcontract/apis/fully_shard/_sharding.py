@@ -66,8 +66,6 @@ class ManagedParameter:
         self.original = weakref.ref(parameter)
         self.locations = tuple(locations)
         self.layout = layout_of(None, fqn, parameter, mesh, 0) if layout is None else layout
-        self.mesh = self.layout.mesh  # of the sharded DTensor: the data-parallel mesh (x TP)
-        self.placements = self.layout.placements
         self.world = mesh.size(mesh.ndim - 1)
         self.rank = mesh.get_local_rank(mesh.ndim - 1)
         self.dim = self.layout.dim
