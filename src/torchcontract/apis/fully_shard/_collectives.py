@@ -25,9 +25,11 @@ class PendingGather:
 
     It holds the flat input and output buffers until then, as the collective
     writes into them on gloo's own thread; ``discard()`` waits and drops them.
+    ``requested``: the user's ``unshard(async_op=True)``, which the root's next
+    forward uses (as FSDP2's), rather than a prefetch, which that forward drops.
     """
 
-    __slots__ = ("_parts", "_works")
+    __slots__ = ("_parts", "_works", "requested")
 
     def __init__(
         self,
@@ -36,6 +38,7 @@ class PendingGather:
     ) -> None:
         self._parts = parts  # per dtype: the parameters, the flat input, the gathered output
         self._works = works
+        self.requested = False
 
     def finish(self) -> None:
         """Wait for the collective(s) and register the unsharded parameters."""
