@@ -7,6 +7,7 @@ leaves the module as it was. The numbers, against FSDP2 on gloo ranks, are in
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Iterator
 
@@ -20,7 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from torchcontract import AlreadyManagedError, InvalidMeshError
+from torchcontract import AlreadyManagedError, ContractError, InvalidMeshError
 from torchcontract.apis import _compat, fully_shard
 
 _REPLICATED = [Replicate(), Replicate()]
@@ -261,3 +262,20 @@ def test_dp_mesh_dims_refuses_a_dtensor_on_another_mesh(mesh: DeviceMesh) -> Non
     with pytest.raises(ValueError, match=_exactly(refused)):
         fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims("dp"))
     assert type(model) is nn.Sequential
+
+
+def test_a_deep_copy_of_a_tp_sharded_module_is_refused(mesh: DeviceMesh) -> None:
+    """As FSDP2: the DTensor shards on (dp, tp) would have no group to gather them."""
+    model = fully_shard(_column_parallel(mesh), mesh=mesh["dp"])
+    refused = (
+        "fully_shard on Sequential: a sharded module cannot be deep-copied (its parameters are "
+        "shards of tensors spread over the mesh's ranks, gathered by its process group); copy "
+        "the model before fully_shard, or save its state dict (model.state_dict(), or "
+        "get_model_state_dict for full tensors) and load it into a new model sharded the same way"
+    )
+    with pytest.raises(ContractError, match=_exactly(refused)):
+        copy.deepcopy(model)
+    assert fully_shard.is_applied(model)
+    weight = model[0].weight
+    assert isinstance(weight, DTensor)
+    assert weight.device_mesh.mesh_dim_names == ("dp", "tp")
