@@ -16,7 +16,14 @@ from typing import Any, Final
 
 import pytest
 import torch
-from fully_shard_models import GPT, batch, full_gradients, full_parameters, largest_gap, loss_on
+from fully_shard_models import (
+    batch,
+    full_gradients,
+    full_parameters,
+    largest_gap,
+    loss_on,
+    sharded_gpt,
+)
 from fully_shard_recorder import recording_all_reduces
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -39,18 +46,9 @@ TOLERANCE: Final = 1e-6
 Results = dict[str, Any]
 
 
-def _model(mesh: DeviceMesh, apply: Callable[..., Any]) -> GPT:
-    torch.manual_seed(0)
-    model = GPT(blocks=2)
-    for block in model.blocks:
-        apply(block, mesh=mesh)
-    apply(model, mesh=mesh)
-    return model
-
-
 def _accumulate(rank: int, mesh: DeviceMesh, apply: Callable[..., Any]) -> Results:
     """3 AdamW steps of 3 micro-batches, the all-reduce on for the last only."""
-    model = _model(mesh, apply)
+    model = sharded_gpt(apply, mesh)
     assert isinstance(model, FSDPModule)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     per_step: list[list[int]] = []

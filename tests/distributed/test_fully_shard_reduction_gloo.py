@@ -18,12 +18,13 @@ from typing import Any, Final
 import pytest
 import torch
 from fully_shard_models import (
-    GPT,
     batch,
+    fsdp_modules,
     full_gradients,
     full_parameters,
     largest_gap,
     loss_on,
+    sharded_gpt,
 )
 from fully_shard_recorder import Collective, Recorder
 from torch import Tensor, nn
@@ -47,22 +48,9 @@ Results = dict[str, Any]
 Configure = Callable[[nn.Module], None]
 
 
-def _sharded(apply: Callable[..., Any], mesh: DeviceMesh) -> GPT:
-    torch.manual_seed(0)
-    model = GPT(blocks=2)
-    for block in model.blocks:
-        apply(block, mesh=mesh)
-    apply(model, mesh=mesh)
-    return model
-
-
-def _each_fsdp(model: nn.Module) -> list[FSDPModule]:
-    return [module for module in model.modules() if isinstance(module, FSDPModule)]
-
-
 def _side_by_side(rank: int, mesh: DeviceMesh, configure: Configure) -> tuple[float, float]:
     """Both configured alike, 3 AdamW steps: the largest gradient and parameter gaps."""
-    models = [_sharded(apply, mesh) for apply in (fully_shard, torch_fully_shard)]
+    models = [sharded_gpt(apply, mesh) for apply in (fully_shard, torch_fully_shard)]
     for model in models:
         configure(model)
     optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in models]
@@ -83,7 +71,7 @@ def _clamp(output: Tensor) -> None:
 
 def _force_sum(hooked: bool) -> Configure:
     def configure(model: nn.Module) -> None:
-        for module in _each_fsdp(model):
+        for module in fsdp_modules(model):
             module.set_force_sum_reduction_for_comms(True)
             if hooked:
                 module.set_all_reduce_hook(_clamp)
@@ -92,20 +80,20 @@ def _force_sum(hooked: bool) -> Configure:
 
 
 def _clamped(model: nn.Module) -> None:
-    for module in _each_fsdp(model):
+    for module in fsdp_modules(model):
         module.set_all_reduce_hook(_clamp)
 
 
 def _divide_by(factor: float) -> Configure:
     def configure(model: nn.Module) -> None:
-        for module in _each_fsdp(model):
+        for module in fsdp_modules(model):
             module.set_gradient_divide_factor(factor)
 
     return configure
 
 
 def _gradients_with(rank: int, mesh: DeviceMesh, configure: Configure) -> dict[str, Tensor]:
-    model = _sharded(fully_shard, mesh)
+    model = sharded_gpt(fully_shard, mesh)
     configure(model)
     torch.autograd.backward(loss_on(model, *batch(rank, 0)))
     return full_gradients(model)
@@ -113,7 +101,7 @@ def _gradients_with(rank: int, mesh: DeviceMesh, configure: Configure) -> dict[s
 
 def _root_not_synced(rank: int, mesh: DeviceMesh, apply: Callable[..., Any]) -> Results:
     """The root alone not synchronized for one backward: the reduce-scatters of each backward."""
-    model = _sharded(apply, mesh)
+    model = sharded_gpt(apply, mesh)
     root = model
     assert isinstance(root, FSDPModule)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

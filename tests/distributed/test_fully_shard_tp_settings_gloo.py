@@ -18,7 +18,7 @@ from typing import Any, Final
 
 import pytest
 import torch
-from fully_shard_models import full_gradients, full_parameters, largest_gap
+from fully_shard_models import fsdp_modules, full_gradients, full_parameters, largest_gap
 from fully_shard_recorder import Collective, Recorder, recording_all_reduces
 from tensor_parallel_models import mlp_batch, mlp_loss, sharded_mlp
 from torch import Tensor, nn
@@ -44,10 +44,6 @@ Results = dict[str, Any]
 Configure = Callable[[nn.Module], None]
 
 
-def _each_fsdp(model: nn.Module) -> list[FSDPModule]:
-    return [module for module in model.modules() if isinstance(module, FSDPModule)]
-
-
 def _models(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> list[nn.Module]:
     return [sharded_mlp(shard, dp_mesh, tp_mesh) for shard in (fully_shard, torch_fully_shard)]
 
@@ -69,7 +65,7 @@ def _deferred(dp_rank: int, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> Results
             bytes_sent: list[int] = []
             with recording_all_reduces(bytes_sent):
                 for micro in range(MICRO):
-                    for module in _each_fsdp(model):
+                    for module in fsdp_modules(model):
                         module.set_requires_all_reduce(micro == MICRO - 1, recurse=False)
                     torch.autograd.backward(mlp_loss(model, mlp_batch(dp_rank, 10 * step + micro)))
                     if micro < MICRO - 1:
@@ -89,12 +85,12 @@ def _clamp(output: Tensor) -> None:
 
 
 def _divide_by_3(model: nn.Module) -> None:
-    for module in _each_fsdp(model):
+    for module in fsdp_modules(model):
         module.set_gradient_divide_factor(3.0)
 
 
 def _force_sum_clamped(model: nn.Module) -> None:
-    for module in _each_fsdp(model):
+    for module in fsdp_modules(model):
         module.set_force_sum_reduction_for_comms(True)
         module.set_all_reduce_hook(_clamp)
 
