@@ -529,8 +529,11 @@ def fully_shard(
             parameter's range, or ``dp_mesh_dims`` does not fit the mesh or a
             parameter.
         NotImplementedError: An uneven placement on another dim than 0, an int
-            ``reshard_after_forward`` for tensor-parallel parameters or another dim
-            than 0, or ``CPUOffloadPolicy`` on an accelerator mesh.
+            ``reshard_after_forward`` for tensor-parallel parameters, another dim
+            than 0 or with ``dp_mesh_dims``, a tensor-parallel parameter with a
+            ``Partial`` placement or on a mesh of more than 2 dims (or on a torch
+            without ``DeviceMesh._concatenate``), ``dp_mesh_dims`` without ``shard``
+            or with shard dims apart, or ``CPUOffloadPolicy`` on an accelerator mesh.
         InvalidMeshError: The mesh is neither 1-D nor 2-D (a ``ValueError``), or
             a tensor-parallel mesh cannot stand beside it.
         AlreadyManagedError: A parameter another application manages, or a
