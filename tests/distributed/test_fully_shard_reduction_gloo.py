@@ -92,8 +92,10 @@ def _divide_by(factor: float) -> Configure:
     return configure
 
 
-def _gradients_with(rank: int, mesh: DeviceMesh, configure: Configure) -> dict[str, Tensor]:
-    model = sharded_gpt(fully_shard, mesh)
+def _gradients_with(
+    rank: int, mesh: DeviceMesh, configure: Configure, apply: Callable[..., Any] = fully_shard
+) -> dict[str, Tensor]:
+    model = sharded_gpt(apply, mesh)
     configure(model)
     torch.autograd.backward(loss_on(model, *batch(rank, 0)))
     return full_gradients(model)
@@ -143,7 +145,30 @@ def _job(rank: int, world_size: int) -> Results:
         factor = 3.0 if shape == (2, 1) else 2.0
         found[f"hsdp_{name}_factor"] = _side_by_side(rank, mesh, _divide_by(factor))
         found[f"hsdp_{name}_force_sum"] = _side_by_side(rank, mesh, _force_sum(hooked=True))
+    found["force_sum_factor_ratios"] = _force_sum_factor_ratios(rank)
     return found
+
+
+def _force_sum_and_factor(model: nn.Module) -> None:
+    _force_sum(hooked=False)(model)
+    _divide_by(3.0)(model)
+
+
+def _force_sum_factor_ratios(rank: int) -> set[float]:
+    """Force-sum with a factor of 3 on a shard group of one: our gradients over FSDP2's.
+
+    FSDP2 (its single-rank path) divides by the factor before the sum as well as
+    after it; here the sum is divided once, as on every other mesh.
+    """
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    ours, theirs = (
+        _gradients_with(rank, mesh, _force_sum_and_factor, apply)
+        for apply in (fully_shard, torch_fully_shard)
+    )
+    return {
+        round(float((ours[name] / theirs[name])[theirs[name].abs() > 1e-6].mean()), 4)
+        for name in ours
+    }
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +204,11 @@ def test_gradient_sync_off_without_recursion_leaves_the_blocks_reducing_as_torch
         assert ours == theirs
         assert [len(issued) for issued in ours] == [2, 3]  # the blocks; then every group
         assert found["root_not_synced_gap"] <= TOLERANCE
+
+
+def test_force_sum_with_a_factor_on_a_shard_group_of_one_divides_once(
+    ranks: list[Results],
+) -> None:
+    """Not FSDP2's: it divides by the factor twice there (ours is its result times 3)."""
+    for found in ranks:
+        assert found["force_sum_factor_ratios"] == {3.0}
