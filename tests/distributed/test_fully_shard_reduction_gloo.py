@@ -7,7 +7,8 @@ without ``set_gradient_divide_factor``. Also: ``set_force_sum_reduction_for_comm
 under an all-reduce hook that is not linear (a clamp sees sums, not averages), and
 ``set_requires_gradient_sync(False, recurse=False)``, whose reduce-scatters are
 recorded (``fully_shard_recorder``): which groups still reduce is not in the numbers
-of the step that follows.
+of the step that follows. And the one difference: force-sum with a factor on a
+shard group of one, which FSDP2 divides by the factor twice.
 """
 
 from __future__ import annotations
