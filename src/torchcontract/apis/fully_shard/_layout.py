@@ -137,7 +137,7 @@ def _placement_of(dim: int, mesh: DeviceMesh, shard: Placement) -> tuple[Placeme
 
 
 def layout_of(
-    target: nn.Module | None, fqn: str, parameter: nn.Parameter, mesh: DeviceMesh, dim: int
+    target: nn.Module, fqn: str, parameter: nn.Parameter, mesh: DeviceMesh, dim: int
 ) -> Layout:
     """The layout of ``parameter`` (named ``fqn``) sharded on ``dim`` over ``mesh``.
 
@@ -225,7 +225,7 @@ def local_tensor(parameter: nn.Parameter) -> Tensor:
 
 
 class Where:
-    """How an error names a parameter (or, without one, the API): built only when formatted.
+    """How an error names the module applied to and a parameter: built only when formatted.
 
     A module's label walks its applied trees; built for every parameter, it made
     each apply cost as much as every application before it.
@@ -233,13 +233,11 @@ class Where:
 
     __slots__ = ("fqn", "target")
 
-    def __init__(self, target: nn.Module | None, fqn: str | None = None) -> None:
+    def __init__(self, target: nn.Module, fqn: str | None = None) -> None:
         self.target, self.fqn = target, fqn
 
     def __str__(self) -> str:
-        where = "fully_shard"
-        if self.target is not None:
-            where = f"{where} on {module_label(self.target)}"
+        where = f"fully_shard on {module_label(self.target)}"
         return where if self.fqn is None else f"{where}: parameter {self.fqn!r}"
 
 
