@@ -147,7 +147,50 @@ def _job(rank: int, world_size: int) -> Results:
         found[f"hsdp_{name}_factor"] = _side_by_side(rank, mesh, _divide_by(factor))
         found[f"hsdp_{name}_force_sum"] = _side_by_side(rank, mesh, _force_sum(hooked=True))
     found["force_sum_factor_ratios"] = _force_sum_factor_ratios(rank)
+    found["deferred_then_unused"] = _deferred_then_unused(rank)
     return found
+
+
+class _Branches(nn.Module):
+    """``sometimes`` takes part in the forward only when asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(4, 4)
+        self.sometimes = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor, both: bool) -> Tensor:
+        out: Tensor = self.used(x)
+        return out + self.sometimes(x) if both else out
+
+
+def _deferred_then_unused(rank: int) -> float:
+    """HSDP (2, 1): the all-reduce deferred from a micro-batch using ``sometimes`` to one not.
+
+    Ours defers; FSDP2 all-reduces every micro-batch (its deferral cannot take a
+    parameter that the last micro-batch leaves unused). Both sums must be the same,
+    for both steps: the kept shard reaches this step's ``.grad``, never a later one.
+    """
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    models: list[nn.Module] = []
+    for apply in (fully_shard, torch_fully_shard):
+        torch.manual_seed(0)
+        branches = _Branches()
+        apply(branches, mesh=mesh)
+        models.append(branches)
+    deferring = models[0]
+    assert isinstance(deferring, FSDPModule)
+    gap = 0.0
+    for step in range(2):
+        for micro, both in enumerate((True, False)):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + micro + step))
+            deferring.set_requires_all_reduce(micro == 1)
+            for model in models:
+                model(x, both).pow(2).sum().backward()
+        gap = max(gap, largest_gap(*(full_gradients(model) for model in models)))
+        for model in models:
+            model.zero_grad()
+    return gap
 
 
 def _force_sum_and_factor(model: nn.Module) -> None:
@@ -213,3 +256,10 @@ def test_force_sum_with_a_factor_on_a_shard_group_of_one_divides_once(
     """Not FSDP2's: it divides by the factor twice there (ours is its result times 3)."""
     for found in ranks:
         assert found["force_sum_factor_ratios"] == {3.0}
+
+
+def test_a_deferred_all_reduce_reaches_a_parameter_the_last_micro_batch_leaves_unused(
+    ranks: list[Results],
+) -> None:
+    for found in ranks:
+        assert found["deferred_then_unused"] <= TOLERANCE

@@ -337,7 +337,11 @@ class ParamGroup:
         pairs: list[tuple[ManagedParameter, Tensor]] = []
         for parameter in self.parameters:
             grad = parameter.take_unsharded_grad()
-            if grad is None and record.reduce_scatter_unused_params:
+            # Unused now, but holding a deferred HSDP reduction: zeros carry it to the all-reduce
+            # (else it would miss this step's .grad and land in a later one's).
+            if grad is None and (
+                record.reduce_scatter_unused_params or id(parameter) in self.deferred
+            ):
                 grad = parameter.unsharded_zero_grad()
             if grad is not None:
                 pairs.append((parameter, grad))
