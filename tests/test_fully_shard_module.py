@@ -26,11 +26,12 @@ from torch.distributed.fsdp import (
     UnshardHandle,
 )
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.fsdp._fully_shard import _fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchcontract import ContractError, NotAppliedError, contract
-from torchcontract.apis import fully_shard
+from torchcontract.apis import _compat, fully_shard
 from torchcontract.apis.fully_shard import FullyShardModule
 from torchcontract.apis.fully_shard._managed import MANAGED
 
@@ -251,6 +252,26 @@ def test_copy_constructing_a_sharded_sequential_builds_a_sequential(
     copied = type(model)(*model)
     assert type(copied) is nn.Sequential
     assert list(copied) == list(model)
+
+
+@pytest.mark.parametrize("api", ["ours", "FSDP2"])
+def test_copy_constructing_without_new_init_leaves_init_to_the_caller(
+    mesh: DeviceMesh, api: str
+) -> None:
+    """Inside torch's ``disable_fsdp_module_new_init``, ``__new__`` runs no ``__init__``.
+
+    A torch without that context always runs it (``_compat.fsdp_module_new_runs_init``).
+    """
+    disabled = getattr(_fully_shard, "disable_fsdp_module_new_init", None)
+    if disabled is None:
+        assert _compat.fsdp_module_new_runs_init()
+        return
+    model = _sharded_sequential(api, mesh)
+    with disabled():
+        copied = type(model)(*model)
+    assert type(copied) is nn.Sequential
+    assert "_modules" not in vars(copied)
+    assert list(type(model)(*model)) == list(model)  # outside it, __init__ runs again
 
 
 class Stack(nn.ModuleList):
