@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,11 +26,12 @@ from torch.distributed.fsdp import (
     UnshardHandle,
 )
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.fsdp._fully_shard import _fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchcontract import ContractError, NotAppliedError, contract
-from torchcontract.apis import fully_shard
+from torchcontract.apis import _compat, fully_shard
 from torchcontract.apis.fully_shard import FullyShardModule
 from torchcontract.apis.fully_shard._managed import MANAGED
 
@@ -252,6 +254,26 @@ def test_copy_constructing_a_sharded_sequential_builds_a_sequential(
     assert list(copied) == list(model)
 
 
+@pytest.mark.parametrize("api", ["ours", "FSDP2"])
+def test_copy_constructing_without_new_init_leaves_init_to_the_caller(
+    mesh: DeviceMesh, api: str
+) -> None:
+    """Inside torch's ``disable_fsdp_module_new_init``, ``__new__`` runs no ``__init__``.
+
+    A torch without that context always runs it (``_compat.fsdp_module_new_runs_init``).
+    """
+    disabled = getattr(_fully_shard, "disable_fsdp_module_new_init", None)
+    if disabled is None:
+        assert _compat.fsdp_module_new_runs_init()
+        return
+    model = _sharded_sequential(api, mesh)
+    with disabled():
+        copied = type(model)(*model)
+    assert type(copied) is nn.Sequential
+    assert "_modules" not in vars(copied)
+    assert list(type(model)(*model)) == list(model)  # outside it, __init__ runs again
+
+
 class Stack(nn.ModuleList):
     """A list of layers with a forward."""
 
@@ -393,6 +415,15 @@ def test_an_uneven_placement_on_another_dim_than_0_is_refused(mesh: DeviceMesh) 
 def test_a_placement_that_is_not_a_shard_is_refused(mesh: DeviceMesh) -> None:
     with pytest.raises(TypeError, match=r"shard_placement_fn returned a Replicate"):
         fully_shard(Net(), mesh=mesh, shard_placement_fn=lambda parameter: Replicate())  # type: ignore[arg-type,return-value]
+
+
+def test_a_placement_function_that_is_not_callable_is_refused(mesh: DeviceMesh) -> None:
+    refused = (
+        "fully_shard on Net: shard_placement_fn must be callable or None, got 0; pass a "
+        "function of a parameter returning Shard(dim) or None"
+    )
+    with pytest.raises(TypeError, match=f"^{re.escape(refused)}$"):
+        fully_shard(Net(), mesh=mesh, shard_placement_fn=0)  # type: ignore[call-overload]
 
 
 def test_dp_mesh_dims_of_another_type_is_refused(mesh: DeviceMesh) -> None:

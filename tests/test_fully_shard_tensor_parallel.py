@@ -7,6 +7,8 @@ leaves the module as it was. The numbers, against FSDP2 on gloo ranks, are in
 
 from __future__ import annotations
 
+import copy
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from torchcontract import AlreadyManagedError
+from torchcontract import AlreadyManagedError, ContractError, InvalidMeshError
 from torchcontract.apis import _compat, fully_shard
 
 _REPLICATED = [Replicate(), Replicate()]
@@ -187,3 +189,121 @@ def test_dp_mesh_dims_refuses_shard_dims_apart_and_replicate_alone(mesh: DeviceM
         fully_shard(nn.Linear(4, 8), mesh=cube, dp_mesh_dims=DataParallelMeshDims(("a", "b")))
     with pytest.raises(NotImplementedError, match=r"shard=\(\) is not supported"):
         fully_shard(nn.Linear(4, 8), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
+
+
+# ----------------------------------------------------------------- meshes refused
+
+
+def _exactly(message: str) -> str:
+    return f"^{re.escape(message)}$"
+
+
+def _replicated_on(tp_mesh: DeviceMesh) -> nn.Sequential:
+    linear = nn.Linear(4, 8)
+    replicated = [Replicate()] * tp_mesh.ndim
+    linear.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), tp_mesh, replicated))
+    return nn.Sequential(linear)
+
+
+def test_a_tp_parameter_on_a_3d_mesh_is_refused(mesh: DeviceMesh) -> None:
+    hyper = init_device_mesh("cpu", (4, 1, 1, 1), mesh_dim_names=("dp", "a", "b", "c"))
+    model = _replicated_on(hyper["a", "b", "c"])
+    refused = (
+        "fully_shard on Sequential: parameter '0.weight' is a DTensor on a 3-D mesh; "
+        "fully_shard, as FSDP2, takes tensor-parallel parameters on a 1-D or 2-D mesh"
+    )
+    with pytest.raises(NotImplementedError, match=_exactly(refused)):
+        fully_shard(model, mesh=hyper["dp"])
+    assert type(model) is nn.Sequential
+
+
+def test_a_tp_parameter_on_a_mesh_of_another_root_is_refused(mesh: DeviceMesh) -> None:
+    model = _replicated_on(init_device_mesh("cpu", (4,), mesh_dim_names=("other",)))
+    with pytest.raises(
+        InvalidMeshError,
+        match=r"^fully_shard on Sequential: parameter '0.weight' is a DTensor on a mesh that "
+        r"cannot stand beside fully_shard's mesh \(RuntimeError: .*\); slice both from one "
+        r"named mesh, e.g. mesh\['tp'\] for parallelize_module and mesh\['dp'\] for fully_shard$",
+    ):
+        fully_shard(model, mesh=mesh["dp"])
+    assert type(model) is nn.Sequential
+
+
+def test_where_torch_cannot_concatenate_meshes_the_root_is_sliced_by_name(
+    mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch 2.6 has no ``DeviceMesh._concatenate``: the same placements, as its FSDP2's."""
+    expected = fully_shard(_column_parallel(mesh), mesh=mesh["dp"])[0].weight
+    monkeypatch.setattr(_compat, "_concatenate", None)
+    weight = fully_shard(_column_parallel(mesh), mesh=mesh["dp"])[0].weight
+    assert isinstance(weight, DTensor)
+    assert isinstance(expected, DTensor)
+    assert weight.device_mesh == expected.device_mesh
+    assert weight.device_mesh.mesh_dim_names == ("dp", "tp")
+    assert weight.placements == expected.placements
+
+
+def test_without_concatenation_meshes_of_two_roots_are_refused(
+    mesh: DeviceMesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_compat, "_concatenate", None)
+    model = _column_parallel(mesh)
+    other = init_device_mesh("cpu", (4, 1), mesh_dim_names=("data", "model"))
+    with pytest.raises(InvalidMeshError, match=r"must be named slices of one device mesh"):
+        fully_shard(model, mesh=other["data"])
+    assert _unchanged(model, mesh)
+
+
+@needs_dp_mesh_dims
+def test_dp_mesh_dims_refuses_a_field_that_is_not_names(mesh: DeviceMesh) -> None:
+    dims = DataParallelMeshDims(shard=["dp"])
+    refused = (
+        "fully_shard on Linear: dp_mesh_dims.shard must be a mesh dim name, a tuple of them or "
+        "None, got a list; pass e.g. DataParallelMeshDims(shard='dp')"
+    )
+    with pytest.raises(TypeError, match=_exactly(refused)):
+        fully_shard(nn.Linear(4, 8), mesh=mesh, dp_mesh_dims=dims)
+
+
+@needs_dp_mesh_dims
+def test_dp_mesh_dims_refuses_a_mesh_without_names(mesh: DeviceMesh) -> None:
+    refused = (
+        "fully_shard on Linear: dp_mesh_dims names mesh dims, and the mesh has no "
+        "mesh_dim_names; build it with init_device_mesh(..., mesh_dim_names=...)"
+    )
+    with pytest.raises(ValueError, match=_exactly(refused)):
+        fully_shard(
+            nn.Linear(4, 8),
+            mesh=init_device_mesh("cpu", (4,)),
+            dp_mesh_dims=DataParallelMeshDims("dp"),
+        )
+
+
+@needs_dp_mesh_dims
+def test_dp_mesh_dims_refuses_a_dtensor_on_another_mesh(mesh: DeviceMesh) -> None:
+    model = _replicated_on(init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "other")))
+    refused = (
+        "fully_shard on Sequential: parameter '0.weight' is a DTensor on another mesh than the "
+        "one passed as mesh=; with dp_mesh_dims, distribute every parameter on that mesh, or "
+        "pass the mesh it is on"
+    )
+    with pytest.raises(ValueError, match=_exactly(refused)):
+        fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims("dp"))
+    assert type(model) is nn.Sequential
+
+
+def test_a_deep_copy_of_a_tp_sharded_module_is_refused(mesh: DeviceMesh) -> None:
+    """As FSDP2: the DTensor shards on (dp, tp) would have no group to gather them."""
+    model = fully_shard(_column_parallel(mesh), mesh=mesh["dp"])
+    refused = (
+        "fully_shard on Sequential: a sharded module cannot be deep-copied (its parameters are "
+        "shards of tensors spread over the mesh's ranks, gathered by its process group); copy "
+        "the model before fully_shard, or save its state dict (model.state_dict(), or "
+        "get_model_state_dict for full tensors) and load it into a new model sharded the same way"
+    )
+    with pytest.raises(ContractError, match=_exactly(refused)):
+        copy.deepcopy(model)
+    assert fully_shard.is_applied(model)
+    weight = model[0].weight
+    assert isinstance(weight, DTensor)
+    assert weight.device_mesh.mesh_dim_names == ("dp", "tp")

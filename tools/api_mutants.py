@@ -93,8 +93,8 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
     Mutant(
         "fully_shard_int_world_size_keeps",
         "apis/fully_shard/_api.py",
-        "        return False\n    return True\n\n\ndef _post_forward_mesh",
-        "        return False\n    return False\n\n\ndef _post_forward_mesh",
+        "        return False\n    return True\n\n\ndef _post_forward_size",
+        "        return False\n    return False\n\n\ndef _post_forward_size",
         (FS_MEMORY,),
         "reshard_after_forward as an int above 1 keeps the parameters instead of freeing them",
     ),

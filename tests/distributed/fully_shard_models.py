@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn import functional
 
@@ -112,3 +117,18 @@ def largest_gap(mine: dict[str, Tensor], theirs: dict[str, Tensor]) -> float:
         (float((mine[name].float() - theirs[name].float()).abs().max()) for name in mine),
         default=0.0,
     )
+
+
+def sharded_gpt(apply: Callable[..., Any], mesh: DeviceMesh) -> GPT:
+    """A seeded 2-block ``GPT`` with ``apply`` (ours or FSDP2's) on each block, then the root."""
+    torch.manual_seed(0)
+    model = GPT(blocks=2)
+    for block in model.blocks:
+        apply(block, mesh=mesh)
+    apply(model, mesh=mesh)
+    return model
+
+
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    """The modules of ``model`` sharded by either API (``FSDPModule`` instances), in order."""
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]

@@ -84,3 +84,23 @@ class Recorder:
     def alive_bytes(self) -> int:
         """The bytes of storage the unsharded parameters seen so far still hold."""
         return sum(tensor.untyped_storage().nbytes() for tensor in self.unsharded.values())
+
+
+@contextlib.contextmanager
+def recording_all_reduces(found: list[int]) -> Iterator[None]:
+    """Append the bytes of each all-reduce either API issues to ``found``, inside the block."""
+    ours, theirs = _torch.all_reduce, dist.all_reduce
+
+    def recorded_ours(tensor: Tensor, group: dist.ProcessGroup) -> dist.Work:
+        found.append(tensor.numel() * tensor.element_size())
+        return ours(tensor, group)
+
+    def recorded_theirs(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
+        found.append(tensor.numel() * tensor.element_size())
+        return theirs(tensor, *args, **kwargs)
+
+    _torch.all_reduce, dist.all_reduce = recorded_ours, recorded_theirs
+    try:
+        yield
+    finally:
+        _torch.all_reduce, dist.all_reduce = ours, theirs

@@ -8,10 +8,11 @@ after the TP split, so the data-parallel shards are padded.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from fully_shard_models import full_gradients, full_parameters, largest_gap
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -222,3 +223,33 @@ def placements(state: Mapping[str, object]) -> list[tuple[str, str]]:
 def norm_value(norm: Tensor) -> float:
     """``clip_grad_norm_``'s result as a float: the full norm if it is a DTensor."""
     return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+
+def train_side_by_side(
+    models: Sequence[nn.Module],
+    loss_of: Callable[[nn.Module, Tensor], Tensor],
+    batch_of: Callable[[int, int], Tensor],
+    dp_rank: int,
+    steps: int,
+) -> dict[str, Any]:
+    """AdamW steps on both models; losses, gradient gaps and clip_grad_norm_ of each step."""
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in models]
+    results: dict[str, Any] = {"losses": [], "gradient_gap": 0.0, "norms": []}
+    for step in range(steps):
+        batch = batch_of(dp_rank, step)
+        losses = [loss_of(model, batch) for model in models]
+        for loss in losses:
+            torch.autograd.backward(loss)
+        results["losses"].append(tuple(loss.item() for loss in losses))
+        gap = largest_gap(full_gradients(models[0]), full_gradients(models[1]))
+        results["gradient_gap"] = max(results["gradient_gap"], gap)
+        norms = [
+            torch.nn.utils.clip_grad_norm_(two_dimensional(model), max_norm=0.05)
+            for model in models
+        ]
+        results["norms"].append(tuple(norm_value(norm) for norm in norms))
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    results["parameter_gap"] = largest_gap(full_parameters(models[0]), full_parameters(models[1]))
+    return results

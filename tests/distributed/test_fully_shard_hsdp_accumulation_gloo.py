@@ -11,20 +11,26 @@ for FSDP2), and the gradients are compared after every micro-batch: FSDP2 leaves
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Final
 
 import pytest
 import torch
-import torch.distributed as dist
-from fully_shard_models import GPT, batch, full_gradients, full_parameters, largest_gap, loss_on
+from fully_shard_models import (
+    batch,
+    full_gradients,
+    full_parameters,
+    largest_gap,
+    loss_on,
+    sharded_gpt,
+)
+from fully_shard_recorder import recording_all_reduces
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from torchcontract.apis import _torch, fully_shard
+from torchcontract.apis import fully_shard
 from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.testing import run_distributed
 
@@ -40,38 +46,9 @@ TOLERANCE: Final = 1e-6
 Results = dict[str, Any]
 
 
-@contextlib.contextmanager
-def recording_all_reduces(found: list[int]) -> Iterator[None]:
-    """Append the bytes of each all-reduce either API issues to ``found``, inside the block."""
-    ours, theirs = _torch.all_reduce, dist.all_reduce
-
-    def recorded_ours(tensor: Tensor, group: dist.ProcessGroup) -> dist.Work:
-        found.append(tensor.numel() * tensor.element_size())
-        return ours(tensor, group)
-
-    def recorded_theirs(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
-        found.append(tensor.numel() * tensor.element_size())
-        return theirs(tensor, *args, **kwargs)
-
-    _torch.all_reduce, dist.all_reduce = recorded_ours, recorded_theirs
-    try:
-        yield
-    finally:
-        _torch.all_reduce, dist.all_reduce = ours, theirs
-
-
-def _model(mesh: DeviceMesh, apply: Callable[..., Any]) -> GPT:
-    torch.manual_seed(0)
-    model = GPT(blocks=2)
-    for block in model.blocks:
-        apply(block, mesh=mesh)
-    apply(model, mesh=mesh)
-    return model
-
-
 def _accumulate(rank: int, mesh: DeviceMesh, apply: Callable[..., Any]) -> Results:
     """3 AdamW steps of 3 micro-batches, the all-reduce on for the last only."""
-    model = _model(mesh, apply)
+    model = sharded_gpt(apply, mesh)
     assert isinstance(model, FSDPModule)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     per_step: list[list[int]] = []

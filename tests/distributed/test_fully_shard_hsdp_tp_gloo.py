@@ -12,14 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-from fully_shard_models import full_gradients, full_parameters, largest_gap
+from fully_shard_models import full_parameters, largest_gap
 from tensor_parallel_models import (
     mlp_batch,
     mlp_loss,
-    norm_value,
     placements,
     sharded_mlp,
-    two_dimensional,
+    train_side_by_side,
 )
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -63,25 +62,9 @@ def _job(rank: int, world_size: int, directory: str) -> Results:
         sharded_mlp(shard, mesh["replicate", "shard"], mesh["tp"])
         for shard in (fully_shard, torch_fully_shard)
     ]
-    results: Results = {"layout": [_layout(model) for model in models]}
-    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in models]
-    results["losses"], results["norms"], results["gradient_gap"] = [], [], 0.0
-    for step in range(STEPS):
-        losses = [mlp_loss(model, mlp_batch(dp_rank, step)) for model in models]
-        for loss in losses:
-            torch.autograd.backward(loss)
-        results["losses"].append((losses[0].item(), losses[1].item()))
-        gap = largest_gap(full_gradients(models[0]), full_gradients(models[1]))
-        results["gradient_gap"] = max(results["gradient_gap"], gap)
-        norms = [
-            torch.nn.utils.clip_grad_norm_(two_dimensional(model), max_norm=0.05)
-            for model in models
-        ]
-        results["norms"].append(tuple(norm_value(norm) for norm in norms))
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-    results["parameter_gap"] = largest_gap(full_parameters(models[0]), full_parameters(models[1]))
+    layout = [_layout(model) for model in models]
+    results: Results = train_side_by_side(models, mlp_loss, mlp_batch, dp_rank, STEPS)
+    results["layout"] = layout
     mine, theirs = (get_model_state_dict(model) for model in models)
     results["state_dict"] = (placements(mine), placements(theirs))
     saved = full_parameters(models[0])

@@ -7,7 +7,8 @@ without ``set_gradient_divide_factor``. Also: ``set_force_sum_reduction_for_comm
 under an all-reduce hook that is not linear (a clamp sees sums, not averages), and
 ``set_requires_gradient_sync(False, recurse=False)``, whose reduce-scatters are
 recorded (``fully_shard_recorder``): which groups still reduce is not in the numbers
-of the step that follows.
+of the step that follows. And the one difference: force-sum with a factor on a
+shard group of one, which FSDP2 divides by the factor twice.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from typing import Any, Final
 import pytest
 import torch
 from fully_shard_models import (
-    GPT,
     batch,
+    fsdp_modules,
     full_gradients,
     full_parameters,
     largest_gap,
     loss_on,
+    sharded_gpt,
 )
 from fully_shard_recorder import Collective, Recorder
 from torch import Tensor, nn
@@ -47,22 +49,9 @@ Results = dict[str, Any]
 Configure = Callable[[nn.Module], None]
 
 
-def _sharded(apply: Callable[..., Any], mesh: DeviceMesh) -> GPT:
-    torch.manual_seed(0)
-    model = GPT(blocks=2)
-    for block in model.blocks:
-        apply(block, mesh=mesh)
-    apply(model, mesh=mesh)
-    return model
-
-
-def _each_fsdp(model: nn.Module) -> list[FSDPModule]:
-    return [module for module in model.modules() if isinstance(module, FSDPModule)]
-
-
 def _side_by_side(rank: int, mesh: DeviceMesh, configure: Configure) -> tuple[float, float]:
     """Both configured alike, 3 AdamW steps: the largest gradient and parameter gaps."""
-    models = [_sharded(apply, mesh) for apply in (fully_shard, torch_fully_shard)]
+    models = [sharded_gpt(apply, mesh) for apply in (fully_shard, torch_fully_shard)]
     for model in models:
         configure(model)
     optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in models]
@@ -83,7 +72,7 @@ def _clamp(output: Tensor) -> None:
 
 def _force_sum(hooked: bool) -> Configure:
     def configure(model: nn.Module) -> None:
-        for module in _each_fsdp(model):
+        for module in fsdp_modules(model):
             module.set_force_sum_reduction_for_comms(True)
             if hooked:
                 module.set_all_reduce_hook(_clamp)
@@ -92,20 +81,22 @@ def _force_sum(hooked: bool) -> Configure:
 
 
 def _clamped(model: nn.Module) -> None:
-    for module in _each_fsdp(model):
+    for module in fsdp_modules(model):
         module.set_all_reduce_hook(_clamp)
 
 
 def _divide_by(factor: float) -> Configure:
     def configure(model: nn.Module) -> None:
-        for module in _each_fsdp(model):
+        for module in fsdp_modules(model):
             module.set_gradient_divide_factor(factor)
 
     return configure
 
 
-def _gradients_with(rank: int, mesh: DeviceMesh, configure: Configure) -> dict[str, Tensor]:
-    model = _sharded(fully_shard, mesh)
+def _gradients_with(
+    rank: int, mesh: DeviceMesh, configure: Configure, apply: Callable[..., Any] = fully_shard
+) -> dict[str, Tensor]:
+    model = sharded_gpt(apply, mesh)
     configure(model)
     torch.autograd.backward(loss_on(model, *batch(rank, 0)))
     return full_gradients(model)
@@ -113,7 +104,7 @@ def _gradients_with(rank: int, mesh: DeviceMesh, configure: Configure) -> dict[s
 
 def _root_not_synced(rank: int, mesh: DeviceMesh, apply: Callable[..., Any]) -> Results:
     """The root alone not synchronized for one backward: the reduce-scatters of each backward."""
-    model = _sharded(apply, mesh)
+    model = sharded_gpt(apply, mesh)
     root = model
     assert isinstance(root, FSDPModule)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -155,7 +146,73 @@ def _job(rank: int, world_size: int) -> Results:
         factor = 3.0 if shape == (2, 1) else 2.0
         found[f"hsdp_{name}_factor"] = _side_by_side(rank, mesh, _divide_by(factor))
         found[f"hsdp_{name}_force_sum"] = _side_by_side(rank, mesh, _force_sum(hooked=True))
+    found["force_sum_factor_ratios"] = _force_sum_factor_ratios(rank)
+    found["deferred_then_unused"] = _deferred_then_unused(rank)
     return found
+
+
+class _Branches(nn.Module):
+    """``sometimes`` takes part in the forward only when asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(4, 4)
+        self.sometimes = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor, both: bool) -> Tensor:
+        out: Tensor = self.used(x)
+        return out + self.sometimes(x) if both else out
+
+
+def _deferred_then_unused(rank: int) -> float:
+    """HSDP (2, 1): the all-reduce deferred from a micro-batch using ``sometimes`` to one not.
+
+    Ours defers; FSDP2 all-reduces every micro-batch (its deferral cannot take a
+    parameter that the last micro-batch leaves unused). Both sums must be the same,
+    for both steps: the kept shard reaches this step's ``.grad``, never a later one.
+    """
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    models: list[nn.Module] = []
+    for apply in (fully_shard, torch_fully_shard):
+        torch.manual_seed(0)
+        branches = _Branches()
+        apply(branches, mesh=mesh)
+        models.append(branches)
+    deferring = models[0]
+    assert isinstance(deferring, FSDPModule)
+    gap = 0.0
+    for step in range(2):
+        for micro, both in enumerate((True, False)):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + micro + step))
+            deferring.set_requires_all_reduce(micro == 1)
+            for model in models:
+                model(x, both).pow(2).sum().backward()
+        gap = max(gap, largest_gap(*(full_gradients(model) for model in models)))
+        for model in models:
+            model.zero_grad()
+    return gap
+
+
+def _force_sum_and_factor(model: nn.Module) -> None:
+    _force_sum(hooked=False)(model)
+    _divide_by(3.0)(model)
+
+
+def _force_sum_factor_ratios(rank: int) -> set[float]:
+    """Force-sum with a factor of 3 on a shard group of one: our gradients over FSDP2's.
+
+    FSDP2 (its single-rank path) divides by the factor before the sum as well as
+    after it; here the sum is divided once, as on every other mesh.
+    """
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    ours, theirs = (
+        _gradients_with(rank, mesh, _force_sum_and_factor, apply)
+        for apply in (fully_shard, torch_fully_shard)
+    )
+    return {
+        round(float((ours[name] / theirs[name])[theirs[name].abs() > 1e-6].mean()), 4)
+        for name in ours
+    }
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +248,18 @@ def test_gradient_sync_off_without_recursion_leaves_the_blocks_reducing_as_torch
         assert ours == theirs
         assert [len(issued) for issued in ours] == [2, 3]  # the blocks; then every group
         assert found["root_not_synced_gap"] <= TOLERANCE
+
+
+def test_force_sum_with_a_factor_on_a_shard_group_of_one_divides_once(
+    ranks: list[Results],
+) -> None:
+    """Not FSDP2's: it divides by the factor twice there (ours is its result times 3)."""
+    for found in ranks:
+        assert found["force_sum_factor_ratios"] == {3.0}
+
+
+def test_a_deferred_all_reduce_reaches_a_parameter_the_last_micro_batch_leaves_unused(
+    ranks: list[Results],
+) -> None:
+    for found in ranks:
+        assert found["deferred_then_unused"] <= TOLERANCE

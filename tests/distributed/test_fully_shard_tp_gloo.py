@@ -10,7 +10,6 @@ state dicts and DCP; a checkpoint saved under ``(dp, tp)`` is then loaded by pla
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from fully_shard_models import full_gradients, full_parameters, largest_gap
+from fully_shard_models import full_parameters, largest_gap
 from tensor_parallel_models import (
     IN,
     MLP,
@@ -30,7 +29,6 @@ from tensor_parallel_models import (
     mlp_batch,
     mlp_loss,
     mlp_stack,
-    norm_value,
     placements,
     sequence_batch,
     sequence_parallel_mlp,
@@ -38,7 +36,7 @@ from tensor_parallel_models import (
     sharded_mlp,
     tensors,
     tiny_llama,
-    two_dimensional,
+    train_side_by_side,
 )
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
@@ -93,32 +91,6 @@ def _layout(model: nn.Module) -> list[tuple[str, str, tuple[int, ...], tuple[int
     return found
 
 
-def _train(
-    models: Sequence[nn.Module], loss_of: Any, batch_of: Any, dp_rank: int, steps: int
-) -> Results:
-    """AdamW steps on both models; losses, gradient gaps and clip_grad_norm_ of each step."""
-    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in models]
-    results: Results = {"losses": [], "gradient_gap": 0.0, "norms": []}
-    for step in range(steps):
-        batch = batch_of(dp_rank, step)
-        losses = [loss_of(model, batch) for model in models]
-        for loss in losses:
-            torch.autograd.backward(loss)
-        results["losses"].append(tuple(loss.item() for loss in losses))
-        gap = largest_gap(full_gradients(models[0]), full_gradients(models[1]))
-        results["gradient_gap"] = max(results["gradient_gap"], gap)
-        norms = [
-            torch.nn.utils.clip_grad_norm_(two_dimensional(model), max_norm=0.05)
-            for model in models
-        ]
-        results["norms"].append(tuple(norm_value(norm) for norm in norms))
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-    results["parameter_gap"] = largest_gap(full_parameters(models[0]), full_parameters(models[1]))
-    return results
-
-
 def _against_one_process(
     dp_rank: int, sharded: nn.Module, single: nn.Module, loss_of: Any, batch_of: Any
 ) -> float:
@@ -147,7 +119,7 @@ def _mixed_precision(dp_rank: int, mesh: DeviceMesh) -> Results:
         first.set_modules_to_forward_prefetch([second])
         second.set_modules_to_backward_prefetch([first])
         models.append(model)
-    results = _train(models, mlp_loss, mlp_batch, dp_rank, STEPS)
+    results = train_side_by_side(models, mlp_loss, mlp_batch, dp_rank, STEPS)
     results["unsharded"] = []
     for model in models:  # the unsharded parameter: the TP DTensor in the parameter dtype
         block = model[0]
@@ -174,7 +146,7 @@ def _dim_1(dp_rank: int, mesh: DeviceMesh) -> Results:
         )
         for shard in (fully_shard, torch_fully_shard)
     ]
-    results = _train(models, mlp_loss, partial(mlp_batch, features=8), dp_rank, STEPS)
+    results = train_side_by_side(models, mlp_loss, partial(mlp_batch, features=8), dp_rank, STEPS)
     results["layout"] = (_layout(models[0]), _layout(models[1]))
     return results
 
@@ -281,7 +253,7 @@ def _sequence_parallel(mesh: DeviceMesh) -> Results:
         for shard in (fully_shard, torch_fully_shard)
     ]
     dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
-    results = _train(
+    results = train_side_by_side(
         models,
         mlp_loss,
         lambda rank, step: sequence_batch(rank, tp_rank, step),
@@ -331,7 +303,7 @@ def _job(rank: int, world_size: int, directory: str) -> Results:
     ours = sharded_mlp(fully_shard, mesh["dp"], mesh["tp"])
     theirs = sharded_mlp(torch_fully_shard, mesh["dp"], mesh["tp"])
     results: Results = {"layout": (_layout(ours), _layout(theirs))}
-    results["mlp"] = _train([ours, theirs], mlp_loss, mlp_batch, dp_rank, STEPS)
+    results["mlp"] = train_side_by_side([ours, theirs], mlp_loss, mlp_batch, dp_rank, STEPS)
     results["state_dicts"] = _state_dicts(ours, theirs, Path(directory), dp_rank)
     results["one_process_gap"] = (
         _against_one_process(
@@ -359,7 +331,7 @@ def _job(rank: int, world_size: int, directory: str) -> Results:
         sharded_llama(shard, mesh["dp"], mesh["tp"]) for shard in (fully_shard, torch_fully_shard)
     ]
     results["llama_layout"] = (_layout(llamas[0]), _layout(llamas[1]))
-    results["llama"] = _train(llamas, llama_loss, llama_batch, dp_rank, STEPS)
+    results["llama"] = train_side_by_side(llamas, llama_loss, llama_batch, dp_rank, STEPS)
     return results
 
 

@@ -13,7 +13,7 @@ from typing import Any, Final
 
 import pytest
 import torch
-from fully_shard_models import GPT, batch, full_parameters, largest_gap, loss_on
+from fully_shard_models import batch, full_parameters, largest_gap, loss_on, sharded_gpt
 from fully_shard_recorder import Collective, Recorder
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, UnshardHandle
@@ -35,15 +35,6 @@ Results = dict[str, Any]
 Unshard = Callable[[FSDPModule], UnshardHandle | None]
 
 
-def _sharded(apply: Callable[..., Any], mesh: DeviceMesh) -> GPT:
-    torch.manual_seed(0)
-    model = GPT(blocks=2)
-    for block in model.blocks:
-        apply(block, mesh=mesh)
-    apply(model, mesh=mesh)
-    return model
-
-
 def _fsdp(module: object) -> FSDPModule:
     assert isinstance(module, FSDPModule)
     return module
@@ -60,7 +51,7 @@ def _method(module: FSDPModule) -> UnshardHandle | None:
 
 def _async_states(mesh: DeviceMesh, apply: Callable[..., Any], start: Unshard) -> list[object]:
     """What is registered before and after the handle's wait, and the handle's type."""
-    model = _sharded(apply, mesh)
+    model = sharded_gpt(apply, mesh)
     block = _fsdp(model.blocks[0])
     handle = start(block)
     states: list[object] = [isinstance(handle, UnshardHandle)]
@@ -81,7 +72,7 @@ def _pending_before_forward(
     rank: int, mesh: DeviceMesh, apply: Callable[..., Any], start: Unshard
 ) -> tuple[list[list[Collective]], dict[str, Any]]:
     """3 SGD steps, each forward preceded by an unwaited async unshard of the root."""
-    model = _sharded(apply, mesh)
+    model = sharded_gpt(apply, mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     recorder = Recorder()
     per_step: list[list[Collective]] = []

@@ -261,21 +261,19 @@ def _resharding(target: nn.Module, value: bool | int | None, mesh: DeviceMesh) -
     return True
 
 
-def _post_forward_mesh(value: bool | int | None, mesh: DeviceMesh) -> DeviceMesh | None:
+def _post_forward_size(value: bool | int | None, mesh: DeviceMesh) -> int | None:
+    """``value`` if it is an int strictly between 1 and the shard dim's size, else None."""
+    if value is None or isinstance(value, bool) or value in (1, mesh.size(mesh.ndim - 1)):
+        return None
+    return value
+
+
+def _post_forward_mesh(size: int, mesh: DeviceMesh) -> DeviceMesh:
     """FSDP2's post-forward mesh for an int between 1 and the shard size: ranks in rows of it.
 
     Every rank builds it (new process groups), as every rank applies ``fully_shard``.
     """
-    if value is None or isinstance(value, bool) or value in (1, mesh.size(mesh.ndim - 1)):
-        return None
-    return DeviceMesh(mesh.device_type, mesh.mesh.view(-1, value))
-
-
-def _has_post_forward_mesh(value: bool | int | None, mesh: DeviceMesh) -> bool:
-    """Whether ``value`` is an int strictly between 1 and the shard dim's size."""
-    if value is None or isinstance(value, bool):
-        return False
-    return value not in (1, mesh.size(mesh.ndim - 1))
+    return DeviceMesh(mesh.device_type, mesh.mesh.view(-1, size))
 
 
 def _caller_level() -> int:
@@ -531,8 +529,11 @@ def fully_shard(
             parameter's range, or ``dp_mesh_dims`` does not fit the mesh or a
             parameter.
         NotImplementedError: An uneven placement on another dim than 0, an int
-            ``reshard_after_forward`` for tensor-parallel parameters or another dim
-            than 0, or ``CPUOffloadPolicy`` on an accelerator mesh.
+            ``reshard_after_forward`` for tensor-parallel parameters, another dim
+            than 0 or with ``dp_mesh_dims``, a tensor-parallel parameter with a
+            ``Partial`` placement or on a mesh of more than 2 dims (or on a torch
+            without ``DeviceMesh._concatenate``), ``dp_mesh_dims`` without ``shard``
+            or with shard dims apart, or ``CPUOffloadPolicy`` on an accelerator mesh.
         InvalidMeshError: The mesh is neither 1-D nor 2-D (a ``ValueError``), or
             a tensor-parallel mesh cannot stand beside it.
         AlreadyManagedError: A parameter another application manages, or a
@@ -564,9 +565,11 @@ def fully_shard(
     ignored: list[str] = []
     found = _find_parameters(targets, {id(p) for p in ignored_params or ()}, ignored)
     layouts = _layouts(targets[0], found, mesh, shard_placement_fn, spmd)
-    if _has_post_forward_mesh(reshard_after_forward, mesh):  # checked before making its groups
-        check_post_forward(targets[0], zip(found, layouts, strict=True), reshard_after_forward)
-    post_forward = _post_forward_mesh(reshard_after_forward, mesh)
+    post_forward_size = _post_forward_size(reshard_after_forward, mesh)
+    post_forward = None
+    if post_forward_size is not None:  # checked before making its groups
+        check_post_forward(targets[0], zip(found, layouts, strict=True), post_forward_size)
+        post_forward = _post_forward_mesh(post_forward_size, mesh)
     parameters = [
         ManagedParameter(
             item.fqn,

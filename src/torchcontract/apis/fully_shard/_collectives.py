@@ -25,9 +25,11 @@ class PendingGather:
 
     It holds the flat input and output buffers until then, as the collective
     writes into them on gloo's own thread; ``discard()`` waits and drops them.
+    ``requested``: the user's ``unshard(async_op=True)``, which the root's next
+    forward uses (as FSDP2's), rather than a prefetch, which that forward drops.
     """
 
-    __slots__ = ("_parts", "_works")
+    __slots__ = ("_parts", "_works", "requested")
 
     def __init__(
         self,
@@ -36,6 +38,7 @@ class PendingGather:
     ) -> None:
         self._parts = parts  # per dtype: the parameters, the flat input, the gathered output
         self._works = works
+        self.requested = False
 
     def finish(self) -> None:
         """Wait for the collective(s) and register the unsharded parameters."""
@@ -211,7 +214,8 @@ def _reduce_scatter_one_dtype(
         if not all_reduce:
             _defer(parameters, reduced, deferred)
             return
-        _take_deferred(parameters, reduced, deferred)
+        if deferred:  # only after a backward with the all-reduce off
+            _take_deferred(parameters, reduced, deferred)
         if replicas > 1:
             _torch.all_reduce(reduced, replicate_group).wait()
             if averaging:
@@ -222,11 +226,8 @@ def _reduce_scatter_one_dtype(
         after = float(world * replicas) if divide_factor is None else divide_factor
         if after != 1:
             reduced.div_(after)
-    offset = 0
-    for parameter in parameters:
-        width = parameter.padded_shard_numel
-        parameter.accumulate_shard_grad(reduced[offset : offset + width])
-        offset += width
+    for parameter, shard in zip(parameters, _slices(parameters, reduced), strict=True):
+        parameter.accumulate_shard_grad(shard)
 
 
 def _slices(parameters: Sequence[ManagedParameter], reduced: Tensor) -> list[Tensor]:

@@ -91,7 +91,7 @@ class Root:
                 group.phase = Phase.IDLE
                 group.reduced = False
         for group in self.groups:
-            if not group.requested:  # an unshard(async_op=True) is for this forward: keep it
+            if group.pending is None or not group.pending.requested:  # keep unshard(async_op)
                 group.drop_prefetch()
             group.post_forward_indices.clear()
             if group.post_forward:  # kept from a forward without backward: maybe stale now
@@ -155,9 +155,6 @@ class ParamGroup:
         self.is_root = False
         self.reduced = False  # whether this backward reduce-scattered gradients
         self.pending: PendingGather | None = None  # a prefetched all-gather not yet used
-        # Whether ``pending`` is the user's ``unshard(async_op=True)`` (the root's next
-        # forward uses it, as FSDP2's) rather than a prefetch (which that forward drops).
-        self.requested = False
         self.implicit_prefetch = True
         # Explicit prefetch lists (``_prefetch``): empty means implicit, as FSDP2.
         self.forward_prefetch: tuple[weakref.ref[ParamGroup], ...] = ()
@@ -206,7 +203,6 @@ class ParamGroup:
         is still on the meta device.
         """
         pending, self.pending = self.pending, None
-        self.requested = False
         if pending is not None:
             pending.finish()
             self.unsharded = True
@@ -238,12 +234,11 @@ class ParamGroup:
         if any(parameter.is_meta for parameter in self.parameters):
             return
         self.pending = self._start_gather(async_op=True)
-        self.requested = requested
+        self.pending.requested = requested
 
     def drop_prefetch(self) -> None:
         """Wait for a prefetched all-gather that was not used, and drop its result."""
         pending, self.pending = self.pending, None
-        self.requested = False
         if pending is not None:
             pending.discard()
             for parameter in self.parameters:  # a post-forward gather took what was kept
@@ -342,7 +337,11 @@ class ParamGroup:
         pairs: list[tuple[ManagedParameter, Tensor]] = []
         for parameter in self.parameters:
             grad = parameter.take_unsharded_grad()
-            if grad is None and record.reduce_scatter_unused_params:
+            # Unused now, but holding a deferred HSDP reduction: zeros carry it to the all-reduce
+            # (else it would miss this step's .grad and land in a later one's).
+            if grad is None and (
+                record.reduce_scatter_unused_params or id(parameter) in self.deferred
+            ):
                 grad = parameter.unsharded_zero_grad()
             if grad is not None:
                 pairs.append((parameter, grad))

@@ -31,9 +31,18 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from torchcontract import AlreadyManagedError, InvalidMeshError, module_label
 
-from .. import _compat, _torch
+from .. import _compat
 
-__all__ = ["Layout", "TensorParallel", "Where", "check_post_forward", "layout_of", "local_tensor"]
+__all__ = [
+    "Layout",
+    "TensorParallel",
+    "Where",
+    "check_post_forward",
+    "data_parallel_shard",
+    "layout_of",
+    "local_tensor",
+    "placement_dim",
+]
 
 
 @attrs.frozen
@@ -68,14 +77,7 @@ class Layout:
 
     def sharded(self, local: Tensor) -> DTensor:
         """``local``, this rank's shard, as the sharded ``DTensor`` (no autograd)."""
-        return DTensor.from_local(
-            local,
-            self.mesh,
-            self.placements,
-            run_check=False,
-            shape=self.shape,
-            stride=self.stride,
-        )
+        return self._dtensor(local, self.mesh, self.placements)
 
     def unsharded(self, local: Tensor) -> Tensor:
         """``local``, the gathered tensor, as the parameter the module computes with.
@@ -86,13 +88,14 @@ class Layout:
         tensor_parallel = self.tensor_parallel
         if tensor_parallel is None:
             return local
+        return self._dtensor(local, tensor_parallel.mesh, tensor_parallel.placements)
+
+    def _dtensor(
+        self, local: Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]
+    ) -> DTensor:
+        """``local`` as this rank's part of a ``DTensor`` of the parameter's shape and stride."""
         return DTensor.from_local(
-            local,
-            tensor_parallel.mesh,
-            tensor_parallel.placements,
-            run_check=False,
-            shape=self.shape,
-            stride=self.stride,
+            local, mesh, placements, run_check=False, shape=self.shape, stride=self.stride
         )
 
     def local_grad(self, grad: Tensor) -> Tensor:
@@ -113,14 +116,28 @@ class Layout:
         return grad.to_local()
 
 
-def _placement_of(dim: int, mesh: DeviceMesh, split: int) -> tuple[Placement, ...]:
-    """The data-parallel placements: ``Shard(dim)`` (strided after a TP split), HSDP-replicated."""
-    shard: Placement = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+def data_parallel_shard(
+    dim: int, mesh: DeviceMesh, placements: Iterable[tuple[int, Placement]]
+) -> Placement:
+    """The shard dim's placement: ``Shard(dim)``, strided where ``placements`` split ``dim`` too.
+
+    ``placements`` are the later (tensor-parallel) ones, by their dim of ``mesh``:
+    rows are split on those first, then on the shard dim (FSDP2's ``_StridedShard``).
+    """
+    split = 1
+    for index, placement in placements:
+        if isinstance(placement, Shard | _StridedShard) and placement_dim(placement) == dim:
+            split *= mesh.size(index)
+    return _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+
+
+def _placement_of(dim: int, mesh: DeviceMesh, shard: Placement) -> tuple[Placement, ...]:
+    """The data-parallel placements: ``shard``, after ``Replicate()`` for HSDP."""
     return (shard,) if mesh.ndim == 1 else (Replicate(), shard)
 
 
 def layout_of(
-    target: nn.Module | None, fqn: str, parameter: nn.Parameter, mesh: DeviceMesh, dim: int
+    target: nn.Module, fqn: str, parameter: nn.Parameter, mesh: DeviceMesh, dim: int
 ) -> Layout:
     """The layout of ``parameter`` (named ``fqn``) sharded on ``dim`` over ``mesh``.
 
@@ -138,7 +155,7 @@ def layout_of(
         return Layout(
             dim=dim,
             mesh=mesh,
-            placements=_placement_of(dim, mesh, 1),
+            placements=_placement_of(dim, mesh, Shard(dim)),
             local_shape=parameter.shape,
             shape=parameter.shape,
             stride=parameter.stride(),
@@ -165,14 +182,11 @@ def layout_of(
             "the data-parallel sub-mesh as mesh= (e.g. mesh['dp'] of a (dp, tp) mesh)"
         )
     combined = _combined(where, mesh, tp_mesh)
-    split = 1
-    for index, placement in enumerate(tp_placements):
-        if isinstance(placement, Shard | _StridedShard) and _shard_dim(placement) == dim:
-            split *= tp_mesh.size(index)
+    shard = data_parallel_shard(dim, tp_mesh, enumerate(tp_placements))
     return Layout(
         dim=dim,
         mesh=combined,
-        placements=(*_placement_of(dim, mesh, split), *tp_placements),
+        placements=(*_placement_of(dim, mesh, shard), *tp_placements),
         local_shape=dtensor.to_local().shape,
         shape=dtensor.shape,
         stride=dtensor.stride(),
@@ -181,26 +195,22 @@ def layout_of(
 
 
 def _combined(where: Where, mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
-    """The ``(dp..., tp...)`` mesh; ``InvalidMeshError`` unless both are named slices of one."""
+    """The ``(dp..., tp...)`` mesh; ``InvalidMeshError`` unless both are named slices of one.
+
+    Torch's concatenation refuses meshes whose ranks overlap, or of other roots.
+    """
     try:
-        combined = _compat.concatenate_meshes([mesh, tp_mesh], str(where))
-    except NotImplementedError:
-        raise
+        return _compat.concatenate_meshes([mesh, tp_mesh], str(where))
     except Exception as error:  # torch's own checks raise assorted types
         raise InvalidMeshError(
             f"{where} is a DTensor on a mesh that cannot stand beside fully_shard's mesh "
             f"({type(error).__name__}: {error}); slice both from one named mesh, e.g. "
             "mesh['tp'] for parallelize_module and mesh['dp'] for fully_shard"
         ) from error
-    if len(set(_torch.to_ints(combined.mesh.reshape(-1)))) != combined.size():
-        raise InvalidMeshError(
-            f"{where} is a DTensor on a mesh whose ranks overlap fully_shard's mesh's; slice "
-            "both from one named mesh, e.g. mesh['tp'] and mesh['dp']"
-        )
-    return combined
 
 
-def _shard_dim(placement: Placement) -> int:
+def placement_dim(placement: Placement) -> int:
+    """The tensor dim a ``Shard`` (or ``_StridedShard``) splits."""
     dim: int = cast(Any, placement).dim  # Shard.dim is untyped for pyright
     return dim
 
@@ -213,7 +223,7 @@ def local_tensor(parameter: nn.Parameter) -> Tensor:
 
 
 class Where:
-    """How an error names a parameter (or, without one, the API): built only when formatted.
+    """How an error names the module applied to and a parameter: built only when formatted.
 
     A module's label walks its applied trees; built for every parameter, it made
     each apply cost as much as every application before it.
@@ -221,13 +231,11 @@ class Where:
 
     __slots__ = ("fqn", "target")
 
-    def __init__(self, target: nn.Module | None, fqn: str | None = None) -> None:
+    def __init__(self, target: nn.Module, fqn: str | None = None) -> None:
         self.target, self.fqn = target, fqn
 
     def __str__(self) -> str:
-        where = "fully_shard"
-        if self.target is not None:
-            where = f"{where} on {module_label(self.target)}"
+        where = f"fully_shard on {module_label(self.target)}"
         return where if self.fqn is None else f"{where}: parameter {self.fqn!r}"
 
 

@@ -8,12 +8,13 @@ requires (it pads dim 0 only).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
 
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
 from torchcontract import module_label
+
+from ._layout import local_tensor, placement_dim
 
 __all__ = ["shard_dim"]
 
@@ -42,7 +43,7 @@ def shard_dim(
             f"{where} a {shown} for parameter {fqn!r}; return a Shard(dim) or None (a "
             "ShardPlacementResult with its own mesh is not supported)"
         )
-    given: int = cast(Any, placement).dim  # Shard.dim is untyped for pyright
+    given = placement_dim(placement)
     ndim = parameter.dim()
     dim = given + ndim if given < 0 else given
     if not 0 <= dim < ndim:
@@ -50,8 +51,7 @@ def shard_dim(
             f"{where} Shard({given}) for parameter {fqn!r} of {ndim} dims; return a "
             f"Shard(dim) with -{ndim} <= dim < {ndim}, or None"
         )
-    local = cast(DTensor, parameter).to_local() if isinstance(parameter, DTensor) else parameter
-    size = local.shape[dim]
+    size = local_tensor(parameter).shape[dim]
     if dim > 0 and size % world != 0:
         raise NotImplementedError(
             f"{where} Shard({given}) for parameter {fqn!r}, whose dim {dim} of size {size} "

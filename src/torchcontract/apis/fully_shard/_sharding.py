@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _torch
-from ._layout import Layout, layout_of, local_tensor
+from ._layout import Layout, local_tensor
 
 __all__ = ["Location", "ManagedParameter", "as_dtensor"]
 
@@ -45,9 +45,9 @@ class ManagedParameter:
     """A parameter sharded over a mesh's last dim, and its unsharded form when gathered.
 
     On a 2-D ``(replicate, shard)`` mesh (HSDP) every replica holds the same shards:
-    the rows are split over the inner dim only. ``layout`` (default: the parameter
-    as it is, on dim 0) says which tensor is split on which dim and what DTensors
-    the shard and the unsharded parameter are; ``shape`` is that tensor's (the
+    the rows are split over the inner dim only. ``layout`` (``_layout.layout_of``)
+    says which tensor is split on which dim and what DTensors the shard and the
+    unsharded parameter are; ``shape`` is that tensor's (the
     TP-local one under tensor parallelism), ``layout.shape`` the parameter's.
     """
 
@@ -60,14 +60,12 @@ class ManagedParameter:
         param_dtype: torch.dtype | None,
         *,
         post_forward_mesh: DeviceMesh | None = None,
-        layout: Layout | None = None,
+        layout: Layout,
     ) -> None:
         self.fqn = fqn
         self.original = weakref.ref(parameter)
         self.locations = tuple(locations)
-        self.layout = layout_of(None, fqn, parameter, mesh, 0) if layout is None else layout
-        self.mesh = self.layout.mesh  # of the sharded DTensor: the data-parallel mesh (x TP)
-        self.placements = self.layout.placements
+        self.layout = layout
         self.world = mesh.size(mesh.ndim - 1)
         self.rank = mesh.get_local_rank(mesh.ndim - 1)
         self.dim = self.layout.dim

@@ -22,11 +22,11 @@ from typing import Any, cast
 import attrs
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import Placement
 
 from .. import _compat
-from ._layout import Layout, TensorParallel, Where
+from ._layout import Layout, TensorParallel, Where, data_parallel_shard
 
 __all__ = ["DataParallelDims", "data_parallel_dims", "spmd_layout"]
 
@@ -47,13 +47,18 @@ class DataParallelDims:
 
 
 def _names(value: object, field: str, where: Where) -> tuple[str, ...]:
+    """A ``DataParallelMeshDims`` field as a tuple of names; ``TypeError`` for anything else."""
+    shown = type(value).__qualname__
     if value is None:
         return ()
     if isinstance(value, str):
         return (value,)
     if isinstance(value, tuple) and all(isinstance(name, str) for name in cast(Any, value)):
         return cast(tuple[str, ...], value)
-    raise TypeError(f"{where}: dp_mesh_dims.{field} must be a mesh dim name, a tuple or None")
+    raise TypeError(
+        f"{where}: dp_mesh_dims.{field} must be a mesh dim name, a tuple of them or None, got "
+        f"a {shown}; pass e.g. DataParallelMeshDims(shard='dp')"
+    )
 
 
 def data_parallel_dims(target: nn.Module, mesh: DeviceMesh, dims: object) -> DataParallelDims:
@@ -79,7 +84,10 @@ def data_parallel_dims(target: nn.Module, mesh: DeviceMesh, dims: object) -> Dat
     replicate = _names(getattr(dims, "replicate", None), "replicate", where)
     names = mesh.mesh_dim_names
     if names is None:
-        raise ValueError(f"{where}: dp_mesh_dims needs a mesh with mesh_dim_names")
+        raise ValueError(
+            f"{where}: dp_mesh_dims names mesh dims, and the mesh has no mesh_dim_names; "
+            "build it with init_device_mesh(..., mesh_dim_names=...)"
+        )
     for name in (*shard, *replicate):
         if name not in names:
             raise ValueError(
@@ -123,7 +131,10 @@ def spmd_layout(
         )
     dtensor = cast(DTensor, parameter)
     if dtensor.device_mesh != dims.spmd_mesh:
-        raise ValueError(f"{where} is a DTensor on another mesh than the one passed as mesh=")
+        raise ValueError(
+            f"{where} is a DTensor on another mesh than the one passed as mesh=; with "
+            "dp_mesh_dims, distribute every parameter on that mesh, or pass the mesh it is on"
+        )
     placements = list(dtensor.placements)
     data_parallel = [*dims.replicate, *dims.shard]
     for index in data_parallel:
@@ -134,12 +145,8 @@ def spmd_layout(
             )
     sharded: list[Placement] = list(placements)
     for shard in dims.shard:
-        split = 1
-        for index in range(shard + 1, dims.spmd_mesh.ndim):
-            later = placements[index]
-            if isinstance(later, Shard | _StridedShard) and cast(Any, later).dim == dim:
-                split *= dims.spmd_mesh.size(index)
-        sharded[shard] = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+        later = [(index, placements[index]) for index in range(shard + 1, dims.spmd_mesh.ndim)]
+        sharded[shard] = data_parallel_shard(dim, dims.spmd_mesh, later)
     mesh, sharded = _flattened(where, dims, sharded)
     return Layout(
         dim=dim,

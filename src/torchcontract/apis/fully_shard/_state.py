@@ -22,7 +22,9 @@ def _mesh_repr(mesh: DeviceMesh | None) -> str:
 class FullyShardState:
     """The record of ``fully_shard`` on a module (shared by every module of a list).
 
-    ``mesh``: the 1-D mesh parameters are sharded over. ``managed``: the FQNs,
+    ``mesh``: the data-parallel mesh parameters are sharded over, 1-D or, for
+    HSDP, 2-D ``(replicate, shard)`` (with ``dp_mesh_dims``, the one its names make
+    of the full mesh; tensor parallelism's dims are not in it). ``managed``: the FQNs,
     relative to the module that holds them, of the parameters this application
     shards (a tied parameter once, under its first name; parameters a nested
     application manages are not listed). ``reshard_after_forward``: as FSDP2 reads
