@@ -113,21 +113,18 @@ _concatenate: Final = cast(
 _root_mesh: Final = cast(Callable[[DeviceMesh], DeviceMesh | None], _mesh_resources.get_root_mesh)
 
 
-def concatenate_meshes(meshes: list[DeviceMesh], where: str) -> DeviceMesh:
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
     """The mesh whose dims are those of ``meshes`` in order, slices of one root mesh.
 
-    Raises ``ValueError`` naming ``where`` if the meshes are not named slices of one
-    root (torch's own checks may raise other types first).
+    Raises ``ValueError`` (or whatever torch's own checks raise) if they are not;
+    callers say which API and module asked.
     """
     if _concatenate is not None:
         return _concatenate(meshes)
     names = [name for mesh in meshes for name in (mesh.mesh_dim_names or ())]
     roots = {id(_root_mesh(mesh)) for mesh in meshes}
     if len(roots) != 1 or len(names) != sum(mesh.ndim for mesh in meshes):
-        raise ValueError(
-            f"{where}: its meshes must be named slices of one device mesh, as "
-            "init_device_mesh(..., mesh_dim_names=...) makes them"
-        )
+        raise ValueError("the meshes are not named slices of one device mesh")
     root = _root_mesh(meshes[0])
     assert root is not None  # every mesh has a root, itself at least
     return root[tuple(names)]

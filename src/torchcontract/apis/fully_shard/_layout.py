@@ -200,7 +200,7 @@ def _combined(where: Where, mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh
     Torch's concatenation refuses meshes whose ranks overlap, or of other roots.
     """
     try:
-        return _compat.concatenate_meshes([mesh, tp_mesh], str(where))
+        return _compat.concatenate_meshes([mesh, tp_mesh])
     except Exception as error:  # torch's own checks raise assorted types
         raise InvalidMeshError(
             f"{where} is a DTensor on a mesh that cannot stand beside fully_shard's mesh "

@@ -104,7 +104,7 @@ def data_parallel_dims(target: nn.Module, mesh: DeviceMesh, dims: object) -> Dat
     spmd_replicate = tuple(names.index(name) for name in replicate)
     if not replicate:
         return DataParallelDims(mesh, shard_mesh, spmd_shard, ())
-    both = _compat.concatenate_meshes([_flat(mesh, replicate), shard_mesh], str(where))
+    both = _compat.concatenate_meshes([_flat(mesh, replicate), shard_mesh])
     return DataParallelDims(mesh, both, spmd_shard, spmd_replicate)
 
 
@@ -184,4 +184,4 @@ def _flattened(
         elif index not in dims.shard and index not in dims.replicate:
             meshes.append(dims.spmd_mesh[name])
             found.append(placements[index])
-    return _compat.concatenate_meshes(meshes, str(where)), found
+    return _compat.concatenate_meshes(meshes), found
