@@ -29,7 +29,7 @@ def test_a_log_becomes_a_table_row_and_the_skip_reasons_with_counts(tmp_path: Pa
     row = (tmp_path / "torch-9.9.9.md").read_text()
     date, machine = r"\d{4}-\d\d-\d\d", r"\d+ cores, load [\d.]+"
     assert re.fullmatch(
-        rf"\| 9\.9\.9 \| {date} \| 1,204 \| 8 \| 2 \(exit 1\) \| {machine} \|\n", row
+        rf"\| 9\.9\.9 \| {date} \| [0-9a-f]+ \| 1,204 \| 8 \| 2 \(exit 1\) \| {machine} \|\n", row
     )
     assert (tmp_path / "torch-9.9.9-skips.md").read_text() == (
         "- 7: needs torch's own fully_shard on CPU\n- 1: needs a GPU\n"
