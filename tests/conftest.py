@@ -5,10 +5,15 @@ from __future__ import annotations
 import gc
 import os
 import platform
+from collections.abc import Iterator
 
+import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import settings
 from strategies import PROFILE
+
+from torchcontract.testing import free_port
 
 # Tests run on a few shared CPU cores; a per-example deadline would only measure the
 # machine's load, so hypothesis checks behaviour, never speed. Under CI, start from
@@ -29,6 +34,19 @@ settings.register_profile(
     "mutate", deadline=None, derandomize=True, database=None, max_examples=10, print_blob=False
 )
 settings.load_profile(PROFILE or "torchcontract")
+
+
+@pytest.fixture(scope="module")
+def one_rank_group() -> Iterator[None]:
+    """A gloo group of one rank (this process) for a module's tests: ``usefixtures`` it."""
+    assert not dist.is_initialized()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def pytest_report_header() -> str:

@@ -6,28 +6,14 @@ on two ranks.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate import replicate as torch_replicate
 
 from torchcontract import IncompatibleAPIError, registry
 from torchcontract.apis import checkpoint, replicate
-from torchcontract.testing import free_port
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group() -> Iterator[None]:
-    assert not dist.is_initialized()
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")
 
 
 class Model(nn.Module):

@@ -6,8 +6,6 @@ The numbers, against DistributedDataParallel on 2 gloo ranks, are in
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch.distributed as dist
 from torch import nn
@@ -15,19 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from torchcontract.apis import _compat, replicate
-from torchcontract.testing import free_port
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group() -> Iterator[None]:
-    assert not dist.is_initialized()
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")
 
 
 def test_a_process_group_and_a_device_mesh_together_are_refused() -> None:

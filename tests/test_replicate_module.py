@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import copy
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch._C._distributed_c10d import GradBucket
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -24,19 +23,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torchcontract import ContractError, NotAppliedError, contract
 from torchcontract.apis import no_sync, replicate
 from torchcontract.apis.replicate import ReplicateModule
-from torchcontract.testing import free_port
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group() -> Iterator[None]:
-    assert not dist.is_initialized()
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")
 
 
 class Net(nn.Module):
