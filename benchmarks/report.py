@@ -4,10 +4,10 @@ Writes, under ``benchmarks/results/``: ``benchmarks.json`` (pytest-benchmark's r
 output), ``RESULTS.md`` (medians of both libraries side by side, the ratio
 torchcontract / torch, growth from 64 to 512 blocks, bytes per module, and the
 machine); ``docs/images/apply_scaling.png`` (apply time against module count,
-log-log); ``training-steps.md`` (the training-step rows, which the performance and
-``fully_shard`` pages both include); and the results section of the documentation's
-performance page, ``docs/performance.md``. ``python -m benchmarks.report --no-run`` rebuilds all
-but the JSON from the last run's.
+log-log); ``training-steps.md`` (the training-step rows, ours without prefetch in a
+note, which the performance and ``fully_shard`` pages both include); and the results
+section of the documentation's performance page, ``docs/performance.md``.
+``python -m benchmarks.report --no-run`` rebuilds all but the JSON from the last run's.
 """
 
 from __future__ import annotations
@@ -499,12 +499,17 @@ def steps_section(results: Sequence[Result], document: dict[str, Any]) -> list[s
 
 
 def steps_table(results: Sequence[Result]) -> list[str]:
-    """The training steps: each library's median, and the in-rank alternating medians."""
+    """The training steps: each library's median, and the in-rank alternating medians.
+
+    A step timed for a third variant too (ours without prefetch) gets a note under the
+    table: its medians and ours over its alternating median.
+    """
     lines = [
         "| training step, 2 gloo ranks | torchcontract | torch | ratio "
         "| in-rank, alternating: torchcontract | torch | ratio | target |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
+    notes: list[str] = []
     for workload, _, by_library in _rows(results):
         ours, theirs = by_library.get(OURS), by_library.get(TORCH)
         if not _is_step(workload) or not ours or not theirs:
@@ -519,7 +524,24 @@ def steps_table(results: Sequence[Result]) -> list[str]:
             f"| {f'{alternating:.3f}' if alternating is not None else ''} "
             f"| {_verdict(alternating, _alternating_target(workload)) if alternating else ''} |"
         )
-    return lines
+        notes += [
+            _other_step_note(name, other, ours)
+            for other in by_library.values()
+            if other is not ours and other is not theirs
+        ]
+    return [*lines, "", *notes] if notes else lines
+
+
+def _other_step_note(step: str, other: Result, ours: Result) -> str:
+    """A note on ``other``'s step (a third variant of ``step``), beside ours and torch's."""
+    note = f"- {step}, {other.library}: {format_time(other.per_call)}"
+    if other.alternating_ms is not None:
+        note += f"; in-rank, alternating: {other.alternating_ms} ms"
+        if other.alternating_ratio is not None:
+            note += f", ratio to torch {other.alternating_ratio:.3f}"
+        if ours.alternating_ms is not None:
+            note += f"; {OURS} / it {ours.alternating_ms / other.alternating_ms:.3f}"
+    return note
 
 
 def _module_growth(results: Iterable[Result]) -> str:
