@@ -147,6 +147,7 @@ class Reducer:
         count = len(named)
         self._used = [False] * count  # accumulated into since the last synchronization
         self._arrival: list[int] | None = []  # arrival order until the buckets are rebuilt
+        self._rebuilt_order: list[int] = []  # the first rank's, which they were rebuilt from
         self._task = -1  # the autograd graph task that synchronizes, or -1
         # DDP's require_forward_param_sync: buffers are broadcast before a forward
         # that follows a synchronizing one (and before the first).
@@ -570,9 +571,12 @@ class Reducer:
     def register_comm_hook(self, module: nn.Module, state: object, hook: CommHook) -> None:
         """From the next backward, ``hook(state, bucket)`` reduces each bucket (checked first).
 
-        The buckets take DDP's sizes and, before the first synchronized backward,
-        DDP's first assignment (in the parameters' order, launched last first),
-        which DDP with unused parameters found keeps; they are not rebuilt.
+        The buckets become DDP's, whenever the hook comes: with unused parameters
+        found, DDP's first assignment (in the parameters' order, launched last
+        first, DDP's sizes), which DDP keeps; with ``find_unused_parameters=False``
+        or ``static_graph``, one bucket per kind (or those of ``bucket_cap_mb_list``)
+        until the first synchronized backward, then DDP's sizes in the first rank's
+        arrival order of that backward.
         """
         if self._comm_hook is not None:
             raise ContractError(
@@ -587,22 +591,23 @@ class Reducer:
         self._comm_hook = (state, hook)
         limits = self._ddp_limits()
         parameters = [self._parameter(index) for index in range(len(self._names))]
-        if self._arrival is not None:
+        if self._rebuild_with_hook and self._arrival is None:
+            # DDP rebuilt its buckets after the first synchronized backward, from the
+            # first rank's arrival order, which ours were rebuilt from too.
+            buckets = assign_buckets_as_ddp(parameters, self._rebuilt_order, limits)
+        else:
             # DDP's first assignment: in the parameters' order, sorted by their first
             # index, launched last first. DDP rebuilds them only with a static graph
             # or without unused parameters found, and then starts from one bucket
-            # (per kind) unless the caps of each bucket are given.
+            # (per kind) unless the caps of each bucket are given; otherwise it keeps
+            # them, even where ours were rebuilt before the hook came.
             initial = limits
             if self._rebuild_with_hook:
                 initial = limits if self._cap_list else (sys.maxsize,)
             else:
                 self._arrival = None
-            order: list[int] = list(range(len(parameters)))
-            buckets = assign_buckets_as_ddp(parameters, order, initial)
+            buckets = assign_buckets_as_ddp(parameters, range(len(parameters)), initial)
             buckets.sort(key=min, reverse=True)
-        else:
-            order = [index for bucket in self._buckets for index in bucket]
-            buckets = assign_buckets_as_ddp(parameters, order, limits)
         self._set_buckets(buckets)
         self.update(module, lambda record: attrs.evolve(record, buckets=self.bucket_names))
 
@@ -671,6 +676,7 @@ class Reducer:
             _torch.broadcast(shared, dist.get_global_rank(self._group, 0), self._group)
         parameters = [self._parameter(index) for index in range(len(self._names))]
         order = _torch.to_ints(shared)
+        self._rebuilt_order = order
         if self._comm_hook is None and not self._cap_list:
             buckets = assign_buckets_as_ddp(
                 parameters, order, (self._first_cap, self._bucket_bytes)
