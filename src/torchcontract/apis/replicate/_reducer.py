@@ -195,6 +195,25 @@ class Reducer:
             for index in bucket:
                 self._bucket_of[index] = position
         self._reset_backward()
+        if self.gradient_as_bucket_view:
+            self._move_gradients_into_buckets()
+
+    def _move_gradients_into_buckets(self) -> None:
+        """``gradient_as_bucket_view``: each ``.grad`` present becomes a view of its new bucket.
+
+        As DDP's, when buckets are made or remade (a rebuild, a hook): the gradients
+        are copied into the new buffers, so the old ones are freed now rather than
+        held, beside the new, until the next synchronized backward ends.
+        """
+        for position, bucket in enumerate(self._buckets):
+            grads = [self._parameter(index).grad for index in bucket]
+            if all(grad is None or grad.is_sparse for grad in grads):
+                continue
+            views = self._allocate(position)
+            for index, grad, view in zip(bucket, grads, views, strict=False):
+                if grad is not None and not grad.is_sparse:
+                    view.copy_(grad)
+                    self._parameter(index).grad = view
 
     def _reset_backward(self) -> None:
         """Forget the backward in progress, once the collectives it started have ended.
