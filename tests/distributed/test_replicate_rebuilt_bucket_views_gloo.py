@@ -1,6 +1,6 @@
 """``gradient_as_bucket_view`` with rebuilt buckets, against DDP's on 2 gloo ranks.
 
-With ``find_unused_parameters=False`` and a cap of a few hundred bytes, both
+With ``find_unused_parameters=False`` and a cap of a few KiB, both
 sides rebuild their buckets after the first step in the order gradients arrived
 (ours at the end of that backward, DDP's at the next forward), and the rebuilt
 buckets differ from the first ones. Then every gradient is a view of its new
@@ -16,28 +16,15 @@ from typing import Final
 import attrs
 import pytest
 import torch
+from replicate_hook_recorder import Net
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from torchcontract.apis import replicate
 from torchcontract.testing import run_distributed
 
-#: 150 bytes: the model's six parameters (128, 32, 256, 32, 32 and 4 bytes) fall into
-#: buckets that differ before and after the rebuild.
-CAP_MB: Final = 150 / (1024 * 1024)
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.first = nn.Linear(4, 8)
-        self.side = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = torch.relu(self.first(x))
-        out: Tensor = self.head(h + self.side(h))
-        return out
+#: A few KiB: the model's parameters fall into buckets that differ before and after the rebuild.
+CAP_MB: Final = 4200 / (1024 * 1024)
 
 
 def _model() -> Net:
@@ -74,8 +61,8 @@ class Report:
 
 
 def _step(model: nn.Module, rank: int, step: int) -> Tensor:
-    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(10 * rank + step))
-    loss: Tensor = model(x).pow(2).mean()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * rank + step))
+    loss: Tensor = model(x, True).pow(2).mean()
     return loss
 
 
