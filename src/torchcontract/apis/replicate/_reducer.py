@@ -169,6 +169,11 @@ class Reducer:
         """The group gradients are averaged over."""
         return self._group
 
+    def _where(self) -> str:
+        """How errors name this application: ``replicate on <class> '<fqn>'``."""
+        module = self._module()
+        return "replicate" if module is None else f"replicate on {module_label(module)}"
+
     def record(self, module: nn.Module) -> ReplicateState | None:
         """``module``'s record if this reducer's application installed it, else None."""
         return self._application.record(module)
@@ -271,7 +276,10 @@ class Reducer:
         _torch.all_reduce_max(rank, self._group)
         found = int(rank.item())
         if found < 0:
-            raise ContractError("replicate: no rank of the group offered itself as the source")
+            raise ContractError(
+                f"{self._where()}: no rank of the group offered itself as the source of the "
+                "broadcast; every rank must enter Join with the model"
+            )
         return found
 
     def after_forward(self, module: nn.Module, output: object) -> None:
@@ -399,9 +407,9 @@ class Reducer:
                 view.zero_()
             elif grad.is_sparse:
                 raise ContractError(
-                    f"replicate: {self._names[index]!r} has a sparse gradient, which replicate "
-                    "does not average; use dense gradients (e.g. nn.Embedding(sparse=False)) or "
-                    "DistributedDataParallel"
+                    f"{self._where()}: parameter {self._names[index]!r} has a sparse gradient, "
+                    "which replicate does not average; use dense gradients (e.g. "
+                    "nn.Embedding(sparse=False)) or DistributedDataParallel"
                 )
             else:
                 torch.mul(grad, scale, out=view)
@@ -431,7 +439,10 @@ class Reducer:
     def _parameter(self, index: int) -> Tensor:
         parameter = self._parameters[index]()
         if parameter is None:
-            raise ContractError(f"replicate: parameter {self._names[index]!r} was freed")
+            raise ContractError(
+                f"{self._where()}: parameter {self._names[index]!r} was freed; keep the model's "
+                "parameters in it while it is replicated"
+            )
         return parameter
 
     def _finish(self) -> None:
@@ -479,8 +490,8 @@ class Reducer:
                 else type(result).__qualname__
             )
             raise ContractError(
-                f"replicate: the communication hook's future for bucket {position} gave {given}, "
-                f"not a tensor of the bucket buffer's {flat.numel()} elements; return "
+                f"{self._where()}: the communication hook's future for bucket {position} gave "
+                f"{given}, not a tensor of the bucket buffer's {flat.numel()} elements; return "
                 "a future of the reduced bucket.buffer()"
             )
         return result
@@ -505,8 +516,8 @@ class Reducer:
             raise ContractError(
                 "Expected to have finished reduction in the prior iteration before starting a "
                 "new one. This error indicates that your module has parameters that were not "
-                f"used in producing loss: replicate with find_unused_parameters=False got no "
-                f"gradient for {shown}{more} in this backward; pass "
+                f"used in producing loss: {self._where()} with find_unused_parameters=False got "
+                f"no gradient for {shown}{more} in this backward; pass "
                 "find_unused_parameters=True (the default), or use every parameter"
             )
 
