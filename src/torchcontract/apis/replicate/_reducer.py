@@ -158,8 +158,7 @@ class Reducer:
         self._checked_torch_apis = False
         self._launched: list[_Pending] = []  # in order, not yet waited for
         # DDP's first assignment: in the parameters' order, launched last first.
-        limits = self._cap_list or (self._first_cap, self._bucket_bytes)
-        buckets = assign_buckets_as_ddp(parameters, range(count), limits)
+        buckets = assign_buckets_as_ddp(parameters, range(count), self._limits())
         buckets.sort(key=min, reverse=True)
         self._set_buckets(buckets)
         _REDUCERS[module] = self
@@ -590,6 +589,12 @@ class Reducer:
 
     # ------------------------------------------------------------ hooks and Join
 
+    def _limits(self) -> tuple[int, ...]:
+        """The caps buckets take now: DDP's with a hook or a list of caps, else ours."""
+        if self._comm_hook is not None or self._cap_list:
+            return self._ddp_limits()
+        return (self._first_cap, self._bucket_bytes)
+
     def _ddp_limits(self) -> tuple[int, ...]:
         """DDP's bucket caps: the list given, or 1 MiB then the cap (the default cap only)."""
         if self._cap_list:
@@ -707,13 +712,7 @@ class Reducer:
         parameters = [self._parameter(index) for index in range(len(self._names))]
         order = _torch.to_ints(shared)
         self._rebuilt_order = order
-        if self._comm_hook is None and not self._cap_list:
-            buckets = assign_buckets_as_ddp(
-                parameters, order, (self._first_cap, self._bucket_bytes)
-            )
-        else:
-            buckets = assign_buckets_as_ddp(parameters, order, self._ddp_limits())
-        self._set_buckets(buckets)
+        self._set_buckets(assign_buckets_as_ddp(parameters, order, self._limits()))
 
 
 def _check_no_torch_api(root: nn.Module) -> None:
