@@ -420,19 +420,28 @@ class Reducer:
         on every copy in and out.
         """
         bucket = self._buckets[position]
-        parameters = [self._parameter(index) for index in bucket]
-        sizes = [parameter.numel() for parameter in parameters]
-        first = parameters[0]
+        first = self._parameter(bucket[0])
+        size = sum(self._parameter(index).numel() for index in bucket)
         flags = len(bucket) if self._flags_in_buckets else 0
-        flat = torch.empty(sum(sizes) + flags, dtype=first.dtype, device=first.device)
+        flat = torch.empty(size + flags, dtype=first.dtype, device=first.device)
         self._flats[position] = flat
-        pieces = torch.split(flat, [*sizes, flags])
+        views = self._split(position, flat)
+        self._views[position] = views
+        return views
+
+    def _split(self, position: int, flat: Tensor) -> list[Tensor]:
+        """Views of a bucket-sized ``flat``, one per parameter in its shape, then the rest.
+
+        The rest is the used-flags, empty with a communication hook.
+        """
+        parameters = [self._parameter(index) for index in self._buckets[position]]
+        sizes = [parameter.numel() for parameter in parameters]
+        pieces = torch.split(flat, [*sizes, flat.numel() - sum(sizes)])
         views = [
             piece.view(parameter.shape)
             for piece, parameter in zip(pieces[:-1], parameters, strict=True)
         ]
-        views.append(pieces[-1])  # the used-flags (empty with a communication hook)
-        self._views[position] = views
+        views.append(pieces[-1])
         return views
 
     def _parameter(self, index: int) -> Tensor:
@@ -548,10 +557,7 @@ class Reducer:
             self._point_into_bucket(position, reduced, views, used)
             return
         if views is None or reduced is not self._flats[position]:
-            # A hook's own tensor: views of it in the parameters' shapes.
-            shapes = [self._parameter(index).shape for index in bucket]
-            pieces = torch.split(reduced, [shape.numel() for shape in shapes])
-            views = [piece.view(shape) for piece, shape in zip(pieces, shapes, strict=True)]
+            views = self._split(position, reduced)  # a hook's own tensor
         grads: list[Tensor] = []
         averages: list[Tensor] = []
         for index, average in zip(bucket, views, strict=False):
@@ -665,14 +671,14 @@ class Reducer:
         if not bool(flags[1] > 0):
             return
         for position in range(len(self._buckets)):
-            views = self._views[position]
-            if views is None:
-                views = self._allocate(position)
-            flat = self._flats[position]
-            flat.zero_()
+            if self._views[position] is None:
+                self._allocate(position)
+            # Zeros of their own, as DDP's: with gradient_as_bucket_view this rank's
+            # gradients live in the bucket buffers, and stay as they are.
+            flat = torch.zeros_like(self._flats[position])
             pending: dist.Work | torch.futures.Future[Tensor]
             if self._comm_hook is not None:
-                pending = self._run_comm_hook(position, flat, views[:-1])
+                pending = self._run_comm_hook(position, flat, self._split(position, flat)[:-1])
             else:
                 pending = _torch.all_reduce(flat, self._group)
             self._launched.append((position, pending))
