@@ -16,14 +16,17 @@ Semantics are those of ``DistributedDataParallel(find_unused_parameters=True)``:
   where it has none. A parameter no rank used keeps its ``.grad`` untouched.
 * Buckets are all-reduced asynchronously, strictly in order, each as soon as all
   of its parameters' gradients arrived in this backward; the rest at the end.
-  After the first synchronizing backward the buckets are rebuilt in the order
-  gradients arrived on the first rank, so later backwards launch them early.
+  They are first assigned as DDP's (``assign_buckets_as_ddp`` over the parameters
+  in definition order, launched last first); without a communication hook, after
+  the first synchronizing backward they are rebuilt in the order gradients
+  arrived on the first rank, so later backwards launch them early.
 
 * With a communication hook (``register_comm_hook``) each bucket's buffer holds
   the gradients alone, undivided, and the hook reduces it; whether a parameter
   was used is then all-reduced once per backward, after the buckets, as DDP
-  does. The buckets then take DDP's sizes (``bucket_cap_mb``, a 1 MiB first one
-  only with the default cap), since a hook's result may depend on them.
+  does. The buckets then are DDP's (``bucket_cap_mb``, a 1 MiB first one only
+  with the default cap; rebuilt only with ``find_unused_parameters=False`` or
+  ``static_graph``), since a hook's result may depend on them.
 * Under ``torch.distributed.algorithms.Join`` (``join.py``), a rank whose inputs
   ran out shadows the others' collectives (``shadow``) with zeros.
 
@@ -122,7 +125,8 @@ class Reducer:
         #: DDP's gradient_as_bucket_view: ``.grad`` left as a view into the bucket buffer.
         self.gradient_as_bucket_view = gradient_as_bucket_view
         # DDP rebuilds its buckets (hook or not) only with a static graph or
-        # without unused parameters found; ours differ only under a hook.
+        # without unused parameters found; ours follow that only under a hook
+        # (without one they are always rebuilt: the numbers do not depend on them).
         self._rebuild_with_hook = rebuild_with_hook
         self.update: Final = update
         self._comm_hook: tuple[object, CommHook] | None = None
