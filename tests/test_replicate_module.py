@@ -226,3 +226,19 @@ def test_a_hook_whose_future_is_not_the_bucket_raises_naming_the_module(
         "tensor of the bucket buffer's 16 elements; return a future of the reduced "
         "bucket.buffer()"
     )
+
+
+def test_a_hook_registered_during_a_backward_is_refused() -> None:
+    net = Net()
+    model = ddp(replicate(net))
+
+    def register(module: nn.Module, grad_input: object, grad_output: object) -> None:
+        model.register_comm_hook(None, _hook)  # in the synchronizing backward
+
+    net.second.register_full_backward_hook(register)
+    with pytest.raises(ContractError) as caught:
+        torch.autograd.backward(net(torch.ones(2, 3)).sum())
+    assert str(caught.value) == (
+        "replicate on Net: register_comm_hook during a backward; register it between "
+        "backwards (before training, or after a step)"
+    )

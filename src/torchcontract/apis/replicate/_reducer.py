@@ -631,7 +631,7 @@ class Reducer:
         if self._task != -1:
             raise ContractError(
                 f"replicate on {module_label(module)}: register_comm_hook during a backward; "
-                "register it before training"
+                "register it between backwards (before training, or after a step)"
             )
         self._comm_hook = (state, hook)
         limits = self._ddp_limits()
