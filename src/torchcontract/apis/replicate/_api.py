@@ -282,8 +282,8 @@ def replicate(
             over, instead of ``process_group`` (not both), as DDP's.
         bucket_cap_mb_list: As DDP's (torch 2.13 on; refused with a ``TypeError``
             where this torch's DDP lacks it): the cap of each bucket in turn, the
-            last repeated; ``bucket_cap_mb`` is then ignored, and the buckets are
-            DDP's.
+            last repeated; ``bucket_cap_mb`` is then ignored, and the caps are
+            DDP's, hook or not (the rebuild, without a hook, still takes place).
 
     The module becomes an instance of ``Replicate<Class>``, a subclass of its class
     and of ``ReplicateModule``, which carries ``DistributedDataParallel``'s methods
