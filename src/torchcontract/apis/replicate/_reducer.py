@@ -695,7 +695,9 @@ class Reducer:
                 finally:
                     self._used = saved
             if self._arrival is not None:
-                self._rebuild([])
+                # As DDP's joined rank, which counts every parameter as arrived in
+                # definition order: where it is the first rank, the rebuild takes that.
+                self._rebuild(list(range(len(self._names))))
                 self._arrival = None
                 self.update(module, lambda record: attrs.evolve(record, buckets=self.bucket_names))
         finally:
