@@ -6,13 +6,18 @@ DistributedDataParallel's.
 
 from __future__ import annotations
 
+from typing import Final
+
 import attrs
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch._C._distributed_c10d import GradBucket
 
-__all__ = ["Net", "Recorder", "Seen", "recording_hook"]
+#: A few KiB: the model's parameters fall into several buckets.
+CAP_MB: Final = 4200 / (1024 * 1024)
+
+__all__ = ["CAP_MB", "HookResult", "Net", "Recorder", "Seen", "recording_hook", "seeded_net"]
 
 
 class Net(nn.Module):
@@ -69,3 +74,18 @@ recording_hook.__annotations__ = {
     "bucket": GradBucket,
     "return": torch.futures.Future[Tensor],
 }
+
+
+def seeded_net() -> Net:
+    """The model, with the same parameters on every rank and side."""
+    torch.manual_seed(0)
+    return Net()
+
+
+@attrs.frozen
+class HookResult:
+    """One rank's comparison: the largest gap to DDP's numbers and what each hook saw."""
+
+    gap: float
+    ours_seen: list[Seen]
+    theirs_seen: list[Seen]

@@ -28,7 +28,7 @@ from typing import Any, Final
 import attrs
 import pytest
 import torch
-from replicate_hook_recorder import Net, Recorder, Seen, recording_hook
+from replicate_hook_recorder import CAP_MB, Net, Recorder, Seen, recording_hook, seeded_net
 from torch import Tensor, nn
 from torch._C._distributed_c10d import GradBucket
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -39,8 +39,6 @@ from torchcontract.apis.replicate import ReplicateModule
 from torchcontract.testing import run_distributed
 
 STEPS: Final = 4
-#: A few KiB: the model's 6 parameters fall into several buckets.
-CAP_MB: Final = 4200 / (1024 * 1024)
 
 
 def _power_sgd() -> powerSGD_hook.PowerSGDState:
@@ -71,11 +69,6 @@ def _keywords(name: str) -> tuple[dict[str, Any], bool]:
     if name.endswith("bucket_cap_mb_list"):
         return {"bucket_cap_mb_list": [CAP_MB / 2, CAP_MB], "find_unused_parameters": True}, False
     return {"bucket_cap_mb": CAP_MB, "find_unused_parameters": True}, False
-
-
-def _model() -> Net:
-    torch.manual_seed(0)
-    return Net()
 
 
 def _train(model: nn.Module, raw: Net, rank: int, everywhere: bool) -> list[list[Tensor]]:
@@ -110,12 +103,12 @@ def _attempt(train: Callable[[], list[list[Tensor]]]) -> list[list[Tensor]] | st
 
 def _run(name: str, rank: int) -> Result:
     keywords, everywhere = _keywords(name)
-    mine = replicate(_model(), **keywords)
+    mine = replicate(seeded_net(), **keywords)
     assert isinstance(mine, ReplicateModule)
     our_state, hook = HOOKS[name]()
     mine.register_comm_hook(our_state, hook)
     ours = _attempt(lambda: _train(mine, mine, rank, everywhere))
-    raw = _model()
+    raw = seeded_net()
     ddp = DistributedDataParallel(raw, **keywords)
     their_state, hook = HOOKS[name]()
     ddp.register_comm_hook(their_state, hook)

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from typing import Final
 
-import attrs
 import pytest
 import torch
-from replicate_hook_recorder import Net, Recorder, Seen, recording_hook
+from replicate_hook_recorder import CAP_MB, HookResult, Net, Recorder, recording_hook, seeded_net
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -24,20 +23,6 @@ from torchcontract.apis.replicate import ReplicateModule
 from torchcontract.testing import run_distributed
 
 STEPS: Final = 3
-#: A few KiB: the model's parameters fall into several buckets.
-CAP_MB: Final = 4200 / (1024 * 1024)
-
-
-@attrs.frozen
-class Result:
-    gap: float
-    ours_seen: list[Seen]
-    theirs_seen: list[Seen]
-
-
-def _model() -> Net:
-    torch.manual_seed(0)
-    return Net()
 
 
 def _train(
@@ -59,8 +44,8 @@ def _train(
     return grads
 
 
-def _run(find_unused: bool, rank: int) -> Result:
-    mine = replicate(_model(), bucket_cap_mb=CAP_MB, find_unused_parameters=find_unused)
+def _run(find_unused: bool, rank: int) -> HookResult:
+    mine = replicate(seeded_net(), bucket_cap_mb=CAP_MB, find_unused_parameters=find_unused)
     assert isinstance(mine, ReplicateModule)
     ours_state = Recorder()
     ours = _train(
@@ -70,7 +55,7 @@ def _run(find_unused: bool, rank: int) -> Result:
         lambda: mine.register_comm_hook(ours_state, recording_hook),
         find_unused,
     )
-    raw = _model()
+    raw = seeded_net()
     ddp = DistributedDataParallel(raw, bucket_cap_mb=CAP_MB, find_unused_parameters=find_unused)
     theirs_state = Recorder()
     theirs = _train(
@@ -84,21 +69,21 @@ def _run(find_unused: bool, rank: int) -> Result:
     for a, b in zip(ours, theirs, strict=True):
         assert len(a) == len(b)
         gap = max(gap, *(float((x - y).abs().max()) for x, y in zip(a, b, strict=True)))
-    return Result(gap, ours_state.seen, theirs_state.seen)
+    return HookResult(gap, ours_state.seen, theirs_state.seen)
 
 
-def _job(rank: int, world_size: int) -> dict[bool, Result]:
+def _job(rank: int, world_size: int) -> dict[bool, HookResult]:
     return {find_unused: _run(find_unused, rank) for find_unused in (True, False)}
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict[bool, Result]]:
+def results() -> list[dict[bool, HookResult]]:
     return run_distributed(_job, 2, timeout=120)
 
 
 @pytest.mark.parametrize("find_unused", [True, False])
 def test_a_hook_registered_after_a_step_sees_ddps_buckets(
-    results: list[dict[bool, Result]], find_unused: bool
+    results: list[dict[bool, HookResult]], find_unused: bool
 ) -> None:
     for by_find_unused in results:
         result = by_find_unused[find_unused]

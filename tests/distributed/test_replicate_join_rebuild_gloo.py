@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from typing import Final
 
-import attrs
 import pytest
 import torch
-from replicate_hook_recorder import Net, Recorder, Seen, recording_hook
+from replicate_hook_recorder import CAP_MB, HookResult, Net, Recorder, recording_hook, seeded_net
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -25,20 +24,6 @@ from torchcontract.apis.replicate import ReplicateModule
 from torchcontract.testing import run_distributed
 
 BATCHES: Final = (0, 3)
-#: A few KiB: the model's parameters fall into several buckets.
-CAP_MB: Final = 4200 / (1024 * 1024)
-
-
-@attrs.frozen
-class Result:
-    gap: float
-    ours_seen: list[Seen]
-    theirs_seen: list[Seen]
-
-
-def _model() -> Net:
-    torch.manual_seed(0)
-    return Net()
 
 
 def _train(model: nn.Module, raw: Net, rank: int) -> list[Tensor]:
@@ -62,33 +47,35 @@ def _output(model: nn.Module, x: Tensor) -> Tensor:
     return out
 
 
-def _job(rank: int, world_size: int) -> Result:
-    mine = replicate(_model(), bucket_cap_mb=CAP_MB, find_unused_parameters=False)
+def _job(rank: int, world_size: int) -> HookResult:
+    mine = replicate(seeded_net(), bucket_cap_mb=CAP_MB, find_unused_parameters=False)
     assert isinstance(mine, ReplicateModule)
     ours_state = Recorder()
     mine.register_comm_hook(ours_state, recording_hook)
     ours = _train(mine, mine, rank)
-    raw = _model()
+    raw = seeded_net()
     ddp = DistributedDataParallel(raw, bucket_cap_mb=CAP_MB, find_unused_parameters=False)
     theirs_state = Recorder()
     ddp.register_comm_hook(theirs_state, recording_hook)
     theirs = _train(ddp, raw, rank)
     assert len(ours) == len(theirs)
     gap = max(float((a - b).abs().max()) for a, b in zip(ours, theirs, strict=True))
-    return Result(gap, ours_state.seen, theirs_state.seen)
+    return HookResult(gap, ours_state.seen, theirs_state.seen)
 
 
 @pytest.fixture(scope="module")
-def results() -> list[Result]:
+def results() -> list[HookResult]:
     return run_distributed(_job, 2, timeout=120)
 
 
-def test_buckets_rebuilt_while_the_first_rank_has_joined_are_ddps(results: list[Result]) -> None:
+def test_buckets_rebuilt_while_the_first_rank_has_joined_are_ddps(
+    results: list[HookResult],
+) -> None:
     for result in results:
         assert result.ours_seen == result.theirs_seen
         assert len(result.ours_seen) >= 3 * 2  # several buckets after the rebuild
 
 
-def test_numbers_equal_ddps(results: list[Result]) -> None:
+def test_numbers_equal_ddps(results: list[HookResult]) -> None:
     for result in results:
         assert result.gap == 0.0, f"differs from DDP's by {result.gap}"

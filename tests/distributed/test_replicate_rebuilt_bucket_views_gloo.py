@@ -11,26 +11,16 @@ a bucket buffer of the first assignment.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Final
 
 import attrs
 import pytest
 import torch
-from replicate_hook_recorder import Net
+from replicate_hook_recorder import CAP_MB, seeded_net
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from torchcontract.apis import replicate
 from torchcontract.testing import run_distributed
-
-#: A few KiB: the model's parameters fall into buckets that differ before and after the rebuild.
-CAP_MB: Final = 4200 / (1024 * 1024)
-
-
-def _model() -> Net:
-    torch.manual_seed(0)
-    return Net()
-
 
 #: The parameters' FQNs grouped by the storage their gradients live in, as sorted tuples.
 Groups = list[tuple[str, ...]]
@@ -68,13 +58,16 @@ def _step(model: nn.Module, rank: int, step: int) -> Tensor:
 
 def _job(rank: int, world_size: int) -> Report:
     mine = replicate(
-        _model(), bucket_cap_mb=CAP_MB, find_unused_parameters=False, gradient_as_bucket_view=True
+        seeded_net(),
+        bucket_cap_mb=CAP_MB,
+        find_unused_parameters=False,
+        gradient_as_bucket_view=True,
     )
     ours_first = _sorted(replicate.state(mine).buckets)
     torch.autograd.backward(_step(mine, rank, 0))
     ours = _groups(mine)
     buckets = _sorted(replicate.state(mine).buckets)
-    raw = _model()
+    raw = seeded_net()
     ddp = DistributedDataParallel(
         raw, bucket_cap_mb=CAP_MB, find_unused_parameters=False, gradient_as_bucket_view=True
     )
