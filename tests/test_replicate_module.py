@@ -183,3 +183,50 @@ def test_hooks_ddp_refuses_are_refused_with_its_error(hook: object) -> None:
     ours = _errors_of(ddp(replicate(Net())).register_comm_hook, hook)
     theirs = _errors_of(DistributedDataParallel(Net()).register_comm_hook, hook)
     assert ours == theirs
+
+
+def _resolved_with(value: object) -> Callable[[object, GradBucket], torch.futures.Future[Any]]:
+    """A hook whose future gives ``value`` instead of the reduced bucket."""
+
+    def hook(state: object, bucket: GradBucket) -> torch.futures.Future[Any]:
+        future: torch.futures.Future[Any] = torch.futures.Future()
+        future.set_result(value)
+        return future
+
+    hook.__annotations__ = {}  # DDP's check reads annotations as objects: give it none
+    return hook
+
+
+@pytest.mark.parametrize(
+    ("value", "given"),
+    [(torch.zeros(2), "a tensor of 2 elements"), ([torch.zeros(16)], "list")],
+    ids=["wrong size", "not a tensor"],
+)
+def test_a_hook_whose_future_is_not_the_bucket_raises_naming_the_module(
+    value: object, given: str
+) -> None:
+    net = Net()
+    ddp(replicate(net)).register_comm_hook(None, _resolved_with(value))
+    with pytest.raises(ContractError) as caught:
+        torch.autograd.backward(net(torch.ones(2, 3)).sum())
+    assert str(caught.value) == (
+        f"replicate on Net: the communication hook's future for bucket 0 gave {given}, not a "
+        "tensor of the bucket buffer's 16 elements; return a future of the reduced "
+        "bucket.buffer()"
+    )
+
+
+def test_a_hook_registered_during_a_backward_is_refused() -> None:
+    net = Net()
+    model = ddp(replicate(net))
+
+    def register(module: nn.Module, grad_input: object, grad_output: object) -> None:
+        model.register_comm_hook(None, _hook)  # in the synchronizing backward
+
+    net.second.register_full_backward_hook(register)
+    with pytest.raises(ContractError) as caught:
+        torch.autograd.backward(net(torch.ones(2, 3)).sum())
+    assert str(caught.value) == (
+        "replicate on Net: register_comm_hook during a backward; register it between "
+        "backwards (before training, or after a step)"
+    )

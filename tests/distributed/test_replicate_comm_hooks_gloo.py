@@ -28,7 +28,7 @@ from typing import Any, Final
 import attrs
 import pytest
 import torch
-import torch.distributed as dist
+from replicate_hook_recorder import CAP_MB, Net, Recorder, Seen, recording_hook, seeded_net
 from torch import Tensor, nn
 from torch._C._distributed_c10d import GradBucket
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -39,64 +39,6 @@ from torchcontract.apis.replicate import ReplicateModule
 from torchcontract.testing import run_distributed
 
 STEPS: Final = 4
-#: A few KiB: the model's 6 parameters fall into several buckets.
-CAP_MB: Final = 4200 / (1024 * 1024)
-
-
-class Net(nn.Module):
-    """Three layers and a branch ``side`` that only rank 0 uses."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first = nn.Linear(16, 32)
-        self.second = nn.Linear(32, 32)
-        self.side = nn.Linear(32, 32)
-        self.head = nn.Linear(32, 4)
-
-    def forward(self, x: Tensor, use_side: bool) -> Tensor:
-        h = torch.relu(self.second(torch.relu(self.first(x))))
-        if use_side:
-            h = h + self.side(h)
-        out: Tensor = self.head(h)
-        return out
-
-
-#: What a hook saw of one bucket: index, last, buffer size, gradient and parameter shapes.
-Seen = tuple[int, bool, int, tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]
-
-
-@attrs.define
-class Recorder:
-    """State of ``recording_hook``: every bucket it was given."""
-
-    seen: list[Seen] = attrs.field(factory=list)
-
-
-def recording_hook(state: Recorder, bucket: GradBucket) -> torch.futures.Future[Tensor]:
-    """Record the bucket, give it a buffer of its own, all-reduce it and divide."""
-    state.seen.append(
-        (
-            bucket.index(),
-            bucket.is_last(),
-            bucket.buffer().numel(),
-            tuple(tuple(g.shape) for g in bucket.gradients()),
-            tuple(tuple(p.shape) for p in bucket.parameters()),
-        )
-    )
-    bucket.set_buffer(bucket.buffer().clone())
-    buffer = bucket.buffer().div_(dist.get_world_size())
-    work = dist.all_reduce(buffer, async_op=True)
-    assert work is not None
-    reduced: torch.futures.Future[list[Tensor]] = work.get_future()
-    return reduced.then(lambda future: future.value()[0])
-
-
-# DDP compares annotations as written: give it objects, not this module's strings.
-recording_hook.__annotations__ = {
-    "state": Recorder,
-    "bucket": GradBucket,
-    "return": torch.futures.Future[Tensor],
-}
 
 
 def _power_sgd() -> powerSGD_hook.PowerSGDState:
@@ -127,11 +69,6 @@ def _keywords(name: str) -> tuple[dict[str, Any], bool]:
     if name.endswith("bucket_cap_mb_list"):
         return {"bucket_cap_mb_list": [CAP_MB / 2, CAP_MB], "find_unused_parameters": True}, False
     return {"bucket_cap_mb": CAP_MB, "find_unused_parameters": True}, False
-
-
-def _model() -> Net:
-    torch.manual_seed(0)
-    return Net()
 
 
 def _train(model: nn.Module, raw: Net, rank: int, everywhere: bool) -> list[list[Tensor]]:
@@ -166,12 +103,12 @@ def _attempt(train: Callable[[], list[list[Tensor]]]) -> list[list[Tensor]] | st
 
 def _run(name: str, rank: int) -> Result:
     keywords, everywhere = _keywords(name)
-    mine = replicate(_model(), **keywords)
+    mine = replicate(seeded_net(), **keywords)
     assert isinstance(mine, ReplicateModule)
     our_state, hook = HOOKS[name]()
     mine.register_comm_hook(our_state, hook)
     ours = _attempt(lambda: _train(mine, mine, rank, everywhere))
-    raw = _model()
+    raw = seeded_net()
     ddp = DistributedDataParallel(raw, **keywords)
     their_state, hook = HOOKS[name]()
     ddp.register_comm_hook(their_state, hook)

@@ -4,7 +4,8 @@ Rank 0 has 5 batches, rank 1 has 3: the joined rank meets the other's
 collectives with zeros until it ends, then every rank takes the model of the
 last to join. Both models run the same plan on the same data (BatchNorm buffers
 included, which under Join are broadcast from the last rank not joined); the
-gradients after every step, the parameters and buffers at the end, and the
+gradients after every step, the parameters, buffers and gradients at the end
+(with ``gradient_as_bucket_view``, the joined rank's left as they were), and the
 errors of ``throw_on_early_termination`` must equal DDP's.
 """
 
@@ -47,6 +48,8 @@ class Scenario:
     context: Callable[[Joinable, torch.optim.Optimizer], contextlib.AbstractContextManager[object]]
     zero: bool = False  # ZeroRedundancyOptimizer (itself a Joinable) instead of SGD
     hook: bool = False  # torch's allreduce_hook registered
+    #: gradient_as_bucket_view, the gradients zeroed (not set to None) after each step
+    views: bool = False
 
 
 SCENARIOS: Final = (
@@ -59,6 +62,7 @@ SCENARIOS: Final = (
     ),
     Scenario("join_with_comm_hook", lambda model, _: Join([model]), hook=True),
     Scenario("disabled", lambda model, _: Join([model], enable=False)),
+    Scenario("gradient_as_bucket_view", lambda model, _: _join_method(model, True), views=True),
 )
 
 
@@ -92,8 +96,9 @@ def _train(model: nn.Module, raw: nn.Module, scenario: Scenario, rank: int) -> T
             model(_batch(rank, index)).pow(2).mean().backward()
             grads.append([p.grad.clone() for p in raw.parameters() if p.grad is not None])
             optimizer.step()
-            optimizer.zero_grad()
-    final = [t.detach().clone() for t in (*raw.parameters(), *raw.buffers())]
+            optimizer.zero_grad(set_to_none=not scenario.views)
+    grads_left = [p.grad.clone() for p in raw.parameters() if p.grad is not None]
+    final = [t.detach().clone() for t in (*raw.parameters(), *raw.buffers())] + grads_left
     return Trace(grads, final)
 
 
@@ -111,13 +116,15 @@ class Gaps:
 
 
 def _run(scenario: Scenario, rank: int) -> Gaps:
-    mine = replicate(_model())
+    mine = replicate(_model(), gradient_as_bucket_view=scenario.views)
     if scenario.hook:
         assert isinstance(mine, ReplicateModule)
         mine.register_comm_hook(None, default_hooks.allreduce_hook)
     ours = _train(mine, mine, scenario, rank)
     raw = _model()
-    ddp = DistributedDataParallel(raw, find_unused_parameters=True)
+    ddp = DistributedDataParallel(
+        raw, find_unused_parameters=True, gradient_as_bucket_view=scenario.views
+    )
     if scenario.hook:
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     theirs = _train(ddp, raw, scenario, rank)

@@ -153,7 +153,11 @@ def test_an_unused_parameter_without_find_unused_parameters_raises_ddps_error(
     for report in results:
         assert sentence in report.theirs_error
         assert sentence in report.ours_error
-        assert "'side.weight', 'side.bias'" in report.ours_error  # and names the parameters
+        # and names the module and the parameters
+        assert "replicate on Net with find_unused_parameters=False got no gradient for " in (
+            report.ours_error
+        )
+        assert "'side.weight', 'side.bias' in this backward" in report.ours_error
 
 
 def test_gradients_as_bucket_views_live_in_the_buckets_as_ddps(results: list[Report]) -> None:

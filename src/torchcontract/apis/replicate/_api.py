@@ -251,8 +251,13 @@ def replicate(
         process_group: The group gradients are averaged over; the default group if
             None.
         bucket_cap_mb: The MiB of gradients reduced in one collective, as DDP
-            counts them (a bucket closes once it holds the cap; the first one's cap
-            is 1 MiB); None is DDP's default, 25.
+            counts them (a bucket closes once it holds its cap); None is DDP's
+            default, 25, under which the bucket of the parameters defined first
+            (launched last; after the rebuild, the first launched) is capped at
+            1 MiB, as DDP's; a cap given holds for every bucket. Without a
+            communication hook the caps are at most a quarter of the model's
+            gradient bytes (1 MiB at least), so that reductions overlap the
+            backward; with one, they are DDP's.
         broadcast_buffers: Copy rank 0's buffers to every rank before each forward
             that follows a synchronizing one, as DDP does.
         find_unused_parameters: As DDP's: True (the default here; DDP's is False)
@@ -277,8 +282,8 @@ def replicate(
             over, instead of ``process_group`` (not both), as DDP's.
         bucket_cap_mb_list: As DDP's (torch 2.13 on; refused with a ``TypeError``
             where this torch's DDP lacks it): the cap of each bucket in turn, the
-            last repeated; ``bucket_cap_mb`` is then ignored, and the buckets are
-            DDP's.
+            last repeated; ``bucket_cap_mb`` is then ignored, and the caps are
+            DDP's, hook or not (the rebuild, without a hook, still takes place).
 
     The module becomes an instance of ``Replicate<Class>``, a subclass of its class
     and of ``ReplicateModule``, which carries ``DistributedDataParallel``'s methods

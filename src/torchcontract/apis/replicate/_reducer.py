@@ -16,14 +16,17 @@ Semantics are those of ``DistributedDataParallel(find_unused_parameters=True)``:
   where it has none. A parameter no rank used keeps its ``.grad`` untouched.
 * Buckets are all-reduced asynchronously, strictly in order, each as soon as all
   of its parameters' gradients arrived in this backward; the rest at the end.
-  After the first synchronizing backward the buckets are rebuilt in the order
-  gradients arrived on the first rank, so later backwards launch them early.
+  They are first assigned as DDP's (``assign_buckets_as_ddp`` over the parameters
+  in definition order, launched last first); without a communication hook, after
+  the first synchronizing backward they are rebuilt in the order gradients
+  arrived on the first rank, so later backwards launch them early.
 
 * With a communication hook (``register_comm_hook``) each bucket's buffer holds
   the gradients alone, undivided, and the hook reduces it; whether a parameter
   was used is then all-reduced once per backward, after the buckets, as DDP
-  does. The buckets then take DDP's sizes (``bucket_cap_mb``, a 1 MiB first one
-  only with the default cap), since a hook's result may depend on them.
+  does. The buckets then are DDP's (``bucket_cap_mb``, a 1 MiB first one only
+  with the default cap; rebuilt only with ``find_unused_parameters=False`` or
+  ``static_graph``), since a hook's result may depend on them.
 * Under ``torch.distributed.algorithms.Join`` (``join.py``), a rank whose inputs
   ran out shadows the others' collectives (``shadow``) with zeros.
 
@@ -122,7 +125,8 @@ class Reducer:
         #: DDP's gradient_as_bucket_view: ``.grad`` left as a view into the bucket buffer.
         self.gradient_as_bucket_view = gradient_as_bucket_view
         # DDP rebuilds its buckets (hook or not) only with a static graph or
-        # without unused parameters found; ours differ only under a hook.
+        # without unused parameters found; ours follow that only under a hook
+        # (without one they are always rebuilt: the numbers do not depend on them).
         self._rebuild_with_hook = rebuild_with_hook
         self.update: Final = update
         self._comm_hook: tuple[object, CommHook] | None = None
@@ -147,6 +151,7 @@ class Reducer:
         count = len(named)
         self._used = [False] * count  # accumulated into since the last synchronization
         self._arrival: list[int] | None = []  # arrival order until the buckets are rebuilt
+        self._rebuilt_order: list[int] = []  # the first rank's, which they were rebuilt from
         self._task = -1  # the autograd graph task that synchronizes, or -1
         # DDP's require_forward_param_sync: buffers are broadcast before a forward
         # that follows a synchronizing one (and before the first).
@@ -157,8 +162,7 @@ class Reducer:
         self._checked_torch_apis = False
         self._launched: list[_Pending] = []  # in order, not yet waited for
         # DDP's first assignment: in the parameters' order, launched last first.
-        limits = self._cap_list or (self._first_cap, self._bucket_bytes)
-        buckets = assign_buckets_as_ddp(parameters, range(count), limits)
+        buckets = assign_buckets_as_ddp(parameters, range(count), self._limits())
         buckets.sort(key=min, reverse=True)
         self._set_buckets(buckets)
         _REDUCERS[module] = self
@@ -167,6 +171,11 @@ class Reducer:
     def group(self) -> dist.ProcessGroup:
         """The group gradients are averaged over."""
         return self._group
+
+    def _where(self) -> str:
+        """How errors name this application: ``replicate on <class> '<fqn>'``."""
+        module = self._module()
+        return "replicate" if module is None else f"replicate on {module_label(module)}"
 
     def record(self, module: nn.Module) -> ReplicateState | None:
         """``module``'s record if this reducer's application installed it, else None."""
@@ -194,6 +203,25 @@ class Reducer:
             for index in bucket:
                 self._bucket_of[index] = position
         self._reset_backward()
+        if self.gradient_as_bucket_view:
+            self._move_gradients_into_buckets()
+
+    def _move_gradients_into_buckets(self) -> None:
+        """``gradient_as_bucket_view``: each ``.grad`` present becomes a view of its new bucket.
+
+        As DDP's, when buckets are made or remade (a rebuild, a hook): the gradients
+        are copied into the new buffers, so the old ones are freed now rather than
+        held, beside the new, until the next synchronized backward ends.
+        """
+        for position, bucket in enumerate(self._buckets):
+            grads = [self._parameter(index).grad for index in bucket]
+            if all(grad is None or grad.is_sparse for grad in grads):
+                continue
+            views = self._allocate(position)
+            for index, grad, view in zip(bucket, grads, views, strict=False):
+                if grad is not None and not grad.is_sparse:
+                    view.copy_(grad)
+                    self._parameter(index).grad = view
 
     def _reset_backward(self) -> None:
         """Forget the backward in progress, once the collectives it started have ended.
@@ -251,7 +279,10 @@ class Reducer:
         _torch.all_reduce_max(rank, self._group)
         found = int(rank.item())
         if found < 0:
-            raise ContractError("replicate: no rank of the group offered itself as the source")
+            raise ContractError(
+                f"{self._where()}: no rank of the group offered itself as the source of the "
+                "broadcast; every rank must enter Join with the model"
+            )
         return found
 
     def after_forward(self, module: nn.Module, output: object) -> None:
@@ -379,9 +410,9 @@ class Reducer:
                 view.zero_()
             elif grad.is_sparse:
                 raise ContractError(
-                    f"replicate: {self._names[index]!r} has a sparse gradient, which replicate "
-                    "does not average; use dense gradients (e.g. nn.Embedding(sparse=False)) or "
-                    "DistributedDataParallel"
+                    f"{self._where()}: parameter {self._names[index]!r} has a sparse gradient, "
+                    "which replicate does not average; use dense gradients (e.g. "
+                    "nn.Embedding(sparse=False)) or DistributedDataParallel"
                 )
             else:
                 torch.mul(grad, scale, out=view)
@@ -393,25 +424,37 @@ class Reducer:
         on every copy in and out.
         """
         bucket = self._buckets[position]
-        parameters = [self._parameter(index) for index in bucket]
-        sizes = [parameter.numel() for parameter in parameters]
-        first = parameters[0]
+        first = self._parameter(bucket[0])
+        size = sum(self._parameter(index).numel() for index in bucket)
         flags = len(bucket) if self._flags_in_buckets else 0
-        flat = torch.empty(sum(sizes) + flags, dtype=first.dtype, device=first.device)
+        flat = torch.empty(size + flags, dtype=first.dtype, device=first.device)
         self._flats[position] = flat
-        pieces = torch.split(flat, [*sizes, flags])
+        views = self._split(position, flat)
+        self._views[position] = views
+        return views
+
+    def _split(self, position: int, flat: Tensor) -> list[Tensor]:
+        """Views of a bucket-sized ``flat``, one per parameter in its shape, then the rest.
+
+        The rest is the used-flags, empty with a communication hook.
+        """
+        parameters = [self._parameter(index) for index in self._buckets[position]]
+        sizes = [parameter.numel() for parameter in parameters]
+        pieces = torch.split(flat, [*sizes, flat.numel() - sum(sizes)])
         views = [
             piece.view(parameter.shape)
             for piece, parameter in zip(pieces[:-1], parameters, strict=True)
         ]
-        views.append(pieces[-1])  # the used-flags (empty with a communication hook)
-        self._views[position] = views
+        views.append(pieces[-1])
         return views
 
     def _parameter(self, index: int) -> Tensor:
         parameter = self._parameters[index]()
         if parameter is None:
-            raise ContractError(f"replicate: parameter {self._names[index]!r} was freed")
+            raise ContractError(
+                f"{self._where()}: parameter {self._names[index]!r} was freed; keep the model's "
+                "parameters in it while it is replicated"
+            )
         return parameter
 
     def _finish(self) -> None:
@@ -459,8 +502,8 @@ class Reducer:
                 else type(result).__qualname__
             )
             raise ContractError(
-                f"replicate: the communication hook's future for bucket {position} gave {given}, "
-                f"not a tensor of the bucket buffer's {flat.numel()} elements; return "
+                f"{self._where()}: the communication hook's future for bucket {position} gave "
+                f"{given}, not a tensor of the bucket buffer's {flat.numel()} elements; return "
                 "a future of the reduced bucket.buffer()"
             )
         return result
@@ -485,8 +528,8 @@ class Reducer:
             raise ContractError(
                 "Expected to have finished reduction in the prior iteration before starting a "
                 "new one. This error indicates that your module has parameters that were not "
-                f"used in producing loss: replicate with find_unused_parameters=False got no "
-                f"gradient for {shown}{more} in this backward; pass "
+                f"used in producing loss: {self._where()} with find_unused_parameters=False got "
+                f"no gradient for {shown}{more} in this backward; pass "
                 "find_unused_parameters=True (the default), or use every parameter"
             )
 
@@ -518,10 +561,7 @@ class Reducer:
             self._point_into_bucket(position, reduced, views, used)
             return
         if views is None or reduced is not self._flats[position]:
-            # A hook's own tensor: views of it in the parameters' shapes.
-            shapes = [self._parameter(index).shape for index in bucket]
-            pieces = torch.split(reduced, [shape.numel() for shape in shapes])
-            views = [piece.view(shape) for piece, shape in zip(pieces, shapes, strict=True)]
+            views = self._split(position, reduced)  # a hook's own tensor
         grads: list[Tensor] = []
         averages: list[Tensor] = []
         for index, average in zip(bucket, views, strict=False):
@@ -559,6 +599,12 @@ class Reducer:
 
     # ------------------------------------------------------------ hooks and Join
 
+    def _limits(self) -> tuple[int, ...]:
+        """The caps buckets take now: DDP's with a hook or a list of caps, else ours."""
+        if self._comm_hook is not None or self._cap_list:
+            return self._ddp_limits()
+        return (self._first_cap, self._bucket_bytes)
+
     def _ddp_limits(self) -> tuple[int, ...]:
         """DDP's bucket caps: the list given, or 1 MiB then the cap (the default cap only)."""
         if self._cap_list:
@@ -570,9 +616,12 @@ class Reducer:
     def register_comm_hook(self, module: nn.Module, state: object, hook: CommHook) -> None:
         """From the next backward, ``hook(state, bucket)`` reduces each bucket (checked first).
 
-        The buckets take DDP's sizes and, before the first synchronized backward,
-        DDP's first assignment (in the parameters' order, launched last first),
-        which DDP with unused parameters found keeps; they are not rebuilt.
+        The buckets become DDP's, whenever the hook comes: with unused parameters
+        found, DDP's first assignment (in the parameters' order, launched last
+        first, DDP's sizes), which DDP keeps; with ``find_unused_parameters=False``
+        or ``static_graph``, one bucket per kind (or those of ``bucket_cap_mb_list``)
+        until the first synchronized backward, then DDP's sizes in the first rank's
+        arrival order of that backward.
         """
         if self._comm_hook is not None:
             raise ContractError(
@@ -582,27 +631,28 @@ class Reducer:
         if self._task != -1:
             raise ContractError(
                 f"replicate on {module_label(module)}: register_comm_hook during a backward; "
-                "register it before training"
+                "register it between backwards (before training, or after a step)"
             )
         self._comm_hook = (state, hook)
         limits = self._ddp_limits()
         parameters = [self._parameter(index) for index in range(len(self._names))]
-        if self._arrival is not None:
+        if self._rebuild_with_hook and self._arrival is None:
+            # DDP rebuilt its buckets after the first synchronized backward, from the
+            # first rank's arrival order, which ours were rebuilt from too.
+            buckets = assign_buckets_as_ddp(parameters, self._rebuilt_order, limits)
+        else:
             # DDP's first assignment: in the parameters' order, sorted by their first
             # index, launched last first. DDP rebuilds them only with a static graph
             # or without unused parameters found, and then starts from one bucket
-            # (per kind) unless the caps of each bucket are given.
+            # (per kind) unless the caps of each bucket are given; otherwise it keeps
+            # them, even where ours were rebuilt before the hook came.
             initial = limits
             if self._rebuild_with_hook:
                 initial = limits if self._cap_list else (sys.maxsize,)
             else:
                 self._arrival = None
-            order: list[int] = list(range(len(parameters)))
-            buckets = assign_buckets_as_ddp(parameters, order, initial)
+            buckets = assign_buckets_as_ddp(parameters, range(len(parameters)), initial)
             buckets.sort(key=min, reverse=True)
-        else:
-            order = [index for bucket in self._buckets for index in bucket]
-            buckets = assign_buckets_as_ddp(parameters, order, limits)
         self._set_buckets(buckets)
         self.update(module, lambda record: attrs.evolve(record, buckets=self.bucket_names))
 
@@ -625,14 +675,14 @@ class Reducer:
         if not bool(flags[1] > 0):
             return
         for position in range(len(self._buckets)):
-            views = self._views[position]
-            if views is None:
-                views = self._allocate(position)
-            flat = self._flats[position]
-            flat.zero_()
+            if self._views[position] is None:
+                self._allocate(position)
+            # Zeros of their own, as DDP's: with gradient_as_bucket_view this rank's
+            # gradients live in the bucket buffers, and stay as they are.
+            flat = torch.zeros_like(self._flats[position])
             pending: dist.Work | torch.futures.Future[Tensor]
             if self._comm_hook is not None:
-                pending = self._run_comm_hook(position, flat, views[:-1])
+                pending = self._run_comm_hook(position, flat, self._split(position, flat)[:-1])
             else:
                 pending = _torch.all_reduce(flat, self._group)
             self._launched.append((position, pending))
@@ -645,7 +695,9 @@ class Reducer:
                 finally:
                     self._used = saved
             if self._arrival is not None:
-                self._rebuild([])
+                # As DDP's joined rank, which counts every parameter as arrived in
+                # definition order: where it is the first rank, the rebuild takes that.
+                self._rebuild(list(range(len(self._names))))
                 self._arrival = None
                 self.update(module, lambda record: attrs.evolve(record, buckets=self.bucket_names))
         finally:
@@ -671,13 +723,8 @@ class Reducer:
             _torch.broadcast(shared, dist.get_global_rank(self._group, 0), self._group)
         parameters = [self._parameter(index) for index in range(len(self._names))]
         order = _torch.to_ints(shared)
-        if self._comm_hook is None and not self._cap_list:
-            buckets = assign_buckets_as_ddp(
-                parameters, order, (self._first_cap, self._bucket_bytes)
-            )
-        else:
-            buckets = assign_buckets_as_ddp(parameters, order, self._ddp_limits())
-        self._set_buckets(buckets)
+        self._rebuilt_order = order
+        self._set_buckets(assign_buckets_as_ddp(parameters, order, self._limits()))
 
 
 def _check_no_torch_api(root: nn.Module) -> None:
