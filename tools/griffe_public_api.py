@@ -8,6 +8,8 @@ extension rewrites what the reference renders, and nothing the library runs:
 
 - a private type variable is shown by its public spelling (``_S`` and ``_S_co`` as
   ``S``, ``_P`` as ``P``), in signatures, bases and docstrings;
+- a base that is a private alias of a public class (``_Joinable = Joinable``, made under
+  ``TYPE_CHECKING``) is shown as that class;
 - a default that is a private module constant is shown as the constant's value
   (``_NO_OFFLOAD`` as ``OffloadPolicy()``);
 - ``*args`` and ``**kwargs`` typed by a ``ParamSpec`` are shown bare;
@@ -56,7 +58,7 @@ class PublicAPI(griffe.Extension):
                 for function in (obj, *(obj.overloads or ())):
                     _rewrite_function(function, type_variables)
             elif isinstance(obj, griffe.Class):
-                obj.bases = [_renamed(base, type_variables) for base in obj.bases]
+                obj.bases = [_aliased(obj, _renamed(base, type_variables)) for base in obj.bases]
                 _one_entry_per_attribute(obj)
             elif isinstance(obj, griffe.Attribute):
                 obj.annotation = _renamed(obj.annotation, type_variables)
@@ -90,6 +92,16 @@ def _is_type_variable(member: object) -> bool:
         return False
     value = member.value
     return isinstance(value, griffe.ExprCall) and str(value.function) in _TYPE_VARIABLES
+
+
+def _aliased(cls: griffe.Class, base: Any) -> Any:
+    """A base that is a private alias of a public name (``_Joinable = Joinable``) as that name."""
+    if isinstance(base, griffe.ExprName) and base.name.startswith("_"):
+        alias = cls.module.members.get(base.name)
+        value = alias.value if isinstance(alias, griffe.Attribute) else None
+        if isinstance(value, griffe.ExprName) and not value.name.startswith("_"):
+            return value
+    return base
 
 
 def _renamed(expression: Any, type_variables: set[str]) -> Any:
