@@ -715,7 +715,12 @@ class Reducer:
         broadcast_from(tensors, self._group, self._cap_bytes, source)
 
     def _rebuild(self, arrival: list[int]) -> None:
-        """Bucket anew in the first rank's arrival order (then the rest, last defined first)."""
+        """Bucket anew in the first rank's arrival order (then the rest, last defined first).
+
+        With a hook, ``bucket_cap_mb_list`` or ``find_unused_parameters=False``, DDP's
+        rebuild (filled in arrival order); otherwise filled from the end, the small
+        bucket of the default cap launched last.
+        """
         arrived = set(arrival)
         order = arrival + [i for i in reversed(range(len(self._names))) if i not in arrived]
         shared = torch.tensor(order, dtype=torch.int64)  # the first rank's, on every rank
@@ -724,7 +729,19 @@ class Reducer:
         parameters = [self._parameter(index) for index in range(len(self._names))]
         order = _torch.to_ints(shared)
         self._rebuilt_order = order
-        self._set_buckets(assign_buckets_as_ddp(parameters, order, self._limits()))
+        if self._comm_hook is not None or self._cap_list or not self._find_unused:
+            # Where DDP rebuilds (without unused parameters found) or its buckets matter:
+            # DDP's rebuild, filled in arrival order.
+            self._set_buckets(assign_buckets_as_ddp(parameters, order, self._limits()))
+            return
+        # Ours (DDP with unused parameters found never rebuilds): filled from the end of
+        # the arrival order, as the first assignment is filled from the end of the launch
+        # order (the definition order). Where gradients arrive in reverse definition order
+        # the buckets stay exactly as they were, so a run resumed from a checkpoint (whose
+        # first backward uses the first assignment) sums in the same order as the
+        # uninterrupted run, to the bit, on any number of ranks.
+        filled = assign_buckets_as_ddp(parameters, order[::-1], self._limits())
+        self._set_buckets(filled[::-1])
 
 
 def _check_no_torch_api(root: nn.Module) -> None:
