@@ -427,5 +427,7 @@ def test_a_placement_function_that_is_not_callable_is_refused(mesh: DeviceMesh) 
 
 
 def test_dp_mesh_dims_of_another_type_is_refused(mesh: DeviceMesh) -> None:
-    with pytest.raises(TypeError, match=r"dp_mesh_dims must be a torch.distributed.fsdp.Data"):
+    """Where torch has no ``DataParallelMeshDims``, any value is refused as needing it."""
+    refused = "must be a" if _compat.DATA_PARALLEL_MESH_DIMS is not None else "needs"
+    with pytest.raises(TypeError, match=rf"dp_mesh_dims {refused} torch.distributed.fsdp.Data"):
         fully_shard(Net(), mesh=mesh, dp_mesh_dims=object())  # type: ignore[call-overload]

@@ -148,11 +148,13 @@ def test_a_hook_that_is_not_callable_is_refused() -> None:
 
 def _errors_of(
     register: Callable[[object, Any], None], hook: object
-) -> tuple[type[BaseException], str]:
-    """The exception ``register(None, hook)`` raises: its type and message."""
-    with pytest.raises((TypeError, ValueError)) as caught:
+) -> tuple[type[BaseException], str] | None:
+    """The exception ``register(None, hook)`` raises, its type and message; None if none."""
+    try:
         register(None, hook)
-    return type(caught.value), str(caught.value)
+    except (TypeError, ValueError) as error:
+        return type(error), str(error)
+    return None
 
 
 def _wrong_bucket(state: object, bucket: Tensor) -> torch.futures.Future[Tensor]:
@@ -179,10 +181,12 @@ def test_a_hook_with_string_annotations_is_accepted() -> None:
     "hook", [default_hooks.bf16_compress_hook, _wrong_bucket, _wrong_return], ids=repr
 )
 def test_hooks_ddp_refuses_are_refused_with_its_error(hook: object) -> None:
-    """bf16 without NCCL (a TypeError) and wrong annotations (ValueError), as DDP says them."""
+    """bf16 without NCCL (a TypeError; a build with NCCL takes it) and wrong annotations
+    (ValueError), as DDP says them."""
     ours = _errors_of(ddp(replicate(Net())).register_comm_hook, hook)
     theirs = _errors_of(DistributedDataParallel(Net()).register_comm_hook, hook)
     assert ours == theirs
+    assert theirs is not None or hook is default_hooks.bf16_compress_hook
 
 
 def _resolved_with(value: object) -> Callable[[object, GradBucket], torch.futures.Future[Any]]:

@@ -34,7 +34,7 @@ from torch._C._distributed_c10d import GradBucket
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from torchcontract.apis import replicate
+from torchcontract.apis import _compat, replicate
 from torchcontract.apis.replicate import ReplicateModule
 from torchcontract.testing import run_distributed
 
@@ -56,8 +56,9 @@ HOOKS: Final[dict[str, Callable[[], tuple[object, Callable[[Any, GradBucket], An
     "recording_hook": lambda: (Recorder(), recording_hook),
     # DDP then starts from one bucket and rebuilds them in the order gradients arrived.
     "recording_hook, find_unused_parameters=False": lambda: (Recorder(), recording_hook),
-    "recording_hook, bucket_cap_mb_list": lambda: (Recorder(), recording_hook),
 }
+if "bucket_cap_mb_list" in _compat.DDP_KEYWORDS:  # DDP 2.13 on; ours refuses it elsewhere
+    HOOKS["recording_hook, bucket_cap_mb_list"] = lambda: (Recorder(), recording_hook)
 
 
 def _keywords(name: str) -> tuple[dict[str, Any], bool]:
