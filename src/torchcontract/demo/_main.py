@@ -133,14 +133,18 @@ def _run_as_torchrun_worker(settings: Settings) -> NoReturn:
     dist.init_process_group("gloo")
     try:
         _run(dist.get_rank(), dist.get_world_size(), settings)
-        # Tear the group down together: a rank destroying its group while another
-        # still talks to it can abort in gloo's teardown.
+        # Leave together: a rank whose sockets close while another still talks to
+        # it can abort that one.
         barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
-    # Done, and the group is down: leave without finalizing the interpreter, where
-    # torch's C++ threads now and then abort the process (SIGABRT, "terminate called
-    # without an active exception") after the demo has finished and reported.
+        raise
+    # Done: leave without taking the groups down, and without finalizing the
+    # interpreter. Torch 2.6's gloo group, destroyed while one of its threads still
+    # frees a finished collective's tensors, joins that thread holding the GIL the
+    # thread waits for (a hang, now and then); and at finalization torch's C++
+    # threads now and then abort the process (SIGABRT, "terminate called without an
+    # active exception"). Exiting closes the sockets all the same.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
