@@ -5,12 +5,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn import functional
+
+from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
+
+#: For tests that compare with PyTorch's fully_shard, which cannot run on CPU on every torch.
+needs_reference_fully_shard = pytest.mark.skipif(
+    not REFERENCE_FULLY_SHARD_ON_CPU,
+    reason=f"compares with PyTorch's fully_shard, which fails on CPU with torch "
+    f"{torch.__version__}",
+)
 
 VOCAB, DIM, HIDDEN, SEQ, HEADS, BATCH = 23, 10, 26, 7, 2, 3
 

@@ -16,7 +16,15 @@ from typing import Any, Final
 
 import pytest
 import torch
-from fully_shard_models import GPT, batch, full_parameters, gpt, largest_gap, loss_on
+from fully_shard_models import (
+    GPT,
+    batch,
+    full_parameters,
+    gpt,
+    largest_gap,
+    loss_on,
+    needs_reference_fully_shard,
+)
 from fully_shard_recorder import Collective, Recorder
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -25,14 +33,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from torchcontract.apis import fully_shard
-from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.testing import run_distributed
 
-pytestmark = pytest.mark.skipif(
-    not REFERENCE_FULLY_SHARD_ON_CPU,
-    reason=f"compares with PyTorch's fully_shard, which fails on CPU with torch "
-    f"{torch.__version__}",
-)
+pytestmark = needs_reference_fully_shard
 
 TOLERANCE: Final = 1e-6
 APIS: Final = (fully_shard, torch_fully_shard)

@@ -15,7 +15,14 @@ from typing import Any, Final, cast
 
 import pytest
 import torch
-from fully_shard_models import GPT, batch, full_parameters, largest_gap, loss_on
+from fully_shard_models import (
+    GPT,
+    batch,
+    full_parameters,
+    largest_gap,
+    loss_on,
+    needs_reference_fully_shard,
+)
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -23,14 +30,9 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
 from torchcontract.apis import fully_shard
-from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.testing import run_distributed
 
-pytestmark = pytest.mark.skipif(
-    not REFERENCE_FULLY_SHARD_ON_CPU,
-    reason=f"compares with PyTorch's fully_shard, which fails on CPU with torch "
-    f"{torch.__version__}",
-)
+pytestmark = needs_reference_fully_shard
 
 TOLERANCE: Final = 1e-6
 Results = dict[str, Any]

@@ -26,6 +26,7 @@ from fully_shard_models import (
     gpt,
     largest_gap,
     loss_on,
+    needs_reference_fully_shard,
 )
 from torch import Tensor, nn
 from torch.distributed._composable.replicate import replicate as torch_replicate
@@ -65,11 +66,7 @@ from torchcontract.testing import run_distributed
 # The scenarios that compare with PyTorch's fully_shard need a torch that runs it on CPU;
 # elsewhere the job skips them, and so do the tests reading their results. The others
 # (one process on the global batch, layout, checkpoints, refusals...) run everywhere.
-needs_reference = pytest.mark.skipif(
-    not REFERENCE_FULLY_SHARD_ON_CPU,
-    reason=f"compares with PyTorch's fully_shard, which fails on CPU with torch "
-    f"{torch.__version__}",
-)
+needs_reference = needs_reference_fully_shard
 
 TOLERANCE = 1e-6
 RELATIVE = 1e-5

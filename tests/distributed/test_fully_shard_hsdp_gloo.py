@@ -22,6 +22,7 @@ from fully_shard_models import (
     global_batch,
     largest_gap,
     loss_on,
+    needs_reference_fully_shard,
 )
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
@@ -37,7 +38,6 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torchcontract.apis import fully_shard
-from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.apis.fully_shard import _group
 from torchcontract.testing import run_distributed
 
@@ -45,11 +45,7 @@ Results = dict[str, Any]
 STEPS = 3
 TOLERANCE = 1e-6
 
-pytestmark = pytest.mark.skipif(
-    not REFERENCE_FULLY_SHARD_ON_CPU,
-    reason=f"compares with PyTorch's fully_shard, which fails on CPU with torch "
-    f"{torch.__version__}",
-)
+pytestmark = needs_reference_fully_shard
 
 
 def _model(mesh: DeviceMesh, torch_api: bool) -> GPT:

@@ -17,7 +17,15 @@ from typing import Any, Final, cast
 
 import pytest
 import torch
-from fully_shard_models import GPT, batch, full_gradients, full_parameters, largest_gap, loss_on
+from fully_shard_models import (
+    GPT,
+    batch,
+    full_gradients,
+    full_parameters,
+    largest_gap,
+    loss_on,
+    needs_reference_fully_shard,
+)
 from fully_shard_recorder import Collective, Recorder
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -33,11 +41,7 @@ TOLERANCE: Final = 1e-6
 PHASES: Final = ("forward", "backward", "step")
 Results = dict[str, Any]
 
-needs_reference = pytest.mark.skipif(
-    not REFERENCE_FULLY_SHARD_ON_CPU,
-    reason=f"compares with PyTorch's fully_shard, which fails on CPU with torch "
-    f"{torch.__version__}",
-)
+needs_reference = needs_reference_fully_shard
 
 
 # ----------------------------------------------------------------- observation

@@ -24,6 +24,7 @@ from fully_shard_models import (
     gpt,
     largest_gap,
     loss_on,
+    needs_reference_fully_shard,
 )
 from torch import Tensor, nn
 from torch._dynamo.utils import counters
@@ -37,11 +38,7 @@ from torchcontract.apis import fully_shard, unshard
 from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.testing import run_distributed
 
-needs_reference = pytest.mark.skipif(
-    not REFERENCE_FULLY_SHARD_ON_CPU,
-    reason=f"compares with PyTorch's fully_shard, which fails on CPU with torch "
-    f"{torch.__version__}",
-)
+needs_reference = needs_reference_fully_shard
 
 Results = dict[str, Any]
 Shard_ = Callable[..., object]

@@ -12,7 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-from fully_shard_models import full_gradients, full_parameters, largest_gap
+from fully_shard_models import (
+    full_gradients,
+    full_parameters,
+    largest_gap,
+    needs_reference_fully_shard,
+)
 from tensor_parallel_models import (
     dim_1_of_matrices,
     local_tensors,
@@ -35,7 +40,6 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from torchcontract.apis import fully_shard
-from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.testing import run_distributed
 
 Results = dict[str, Any]
@@ -44,11 +48,7 @@ STEPS = 3
 TOLERANCE = 1e-6
 FULL = StateDictOptions(full_state_dict=True)
 
-pytestmark = pytest.mark.skipif(
-    not REFERENCE_FULLY_SHARD_ON_CPU,
-    reason=f"compares with PyTorch's fully_shard, which fails on CPU with torch "
-    f"{torch.__version__}",
-)
+pytestmark = needs_reference_fully_shard
 
 
 def _from_the_end(parameter: nn.Parameter) -> Shard | None:

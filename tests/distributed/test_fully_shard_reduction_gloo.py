@@ -25,6 +25,7 @@ from fully_shard_models import (
     full_parameters,
     largest_gap,
     loss_on,
+    needs_reference_fully_shard,
     sharded_gpt,
 )
 from fully_shard_recorder import Collective, Recorder
@@ -34,14 +35,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from torchcontract.apis import fully_shard
-from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.testing import run_distributed
 
-pytestmark = pytest.mark.skipif(
-    not REFERENCE_FULLY_SHARD_ON_CPU,
-    reason=f"compares with PyTorch's fully_shard, which fails on CPU with torch "
-    f"{torch.__version__}",
-)
+pytestmark = needs_reference_fully_shard
 
 TOLERANCE: Final = 1e-6
 CLAMP: Final = 0.02

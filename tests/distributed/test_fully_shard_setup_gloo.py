@@ -14,7 +14,15 @@ from typing import Any
 
 import pytest
 import torch
-from fully_shard_models import GPT, batch, full_gradients, full_parameters, gpt, largest_gap
+from fully_shard_models import (
+    GPT,
+    batch,
+    full_gradients,
+    full_parameters,
+    gpt,
+    largest_gap,
+    needs_reference_fully_shard,
+)
 from fully_shard_models import loss_on as _loss_on
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -26,11 +34,7 @@ from torchcontract.apis import fully_shard
 from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.testing import run_distributed
 
-needs_reference = pytest.mark.skipif(
-    not REFERENCE_FULLY_SHARD_ON_CPU,
-    reason=f"compares with PyTorch's fully_shard, which fails on CPU with torch "
-    f"{torch.__version__}",
-)
+needs_reference = needs_reference_fully_shard
 
 Results = dict[str, Any]
 Shard = Callable[..., object]

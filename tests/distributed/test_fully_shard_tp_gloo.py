@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from fully_shard_models import full_parameters, largest_gap
+from fully_shard_models import full_parameters, largest_gap, needs_reference_fully_shard
 from tensor_parallel_models import (
     IN,
     MLP,
@@ -53,7 +53,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from torchcontract.apis import _torch, fully_shard
-from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.testing import run_distributed
 
 Results = dict[str, Any]
@@ -62,11 +61,7 @@ STEPS = 3
 TOLERANCE = 1e-6
 FULL = StateDictOptions(full_state_dict=True)
 
-pytestmark = pytest.mark.skipif(
-    not REFERENCE_FULLY_SHARD_ON_CPU,
-    reason=f"compares with PyTorch's fully_shard, which fails on CPU with torch "
-    f"{torch.__version__}",
-)
+pytestmark = needs_reference_fully_shard
 
 
 def _mesh() -> DeviceMesh:

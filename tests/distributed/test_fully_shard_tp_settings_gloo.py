@@ -18,7 +18,13 @@ from typing import Any, Final
 
 import pytest
 import torch
-from fully_shard_models import fsdp_modules, full_gradients, full_parameters, largest_gap
+from fully_shard_models import (
+    fsdp_modules,
+    full_gradients,
+    full_parameters,
+    largest_gap,
+    needs_reference_fully_shard,
+)
 from fully_shard_recorder import Collective, Recorder, recording_all_reduces
 from tensor_parallel_models import mlp_batch, mlp_loss, sharded_mlp
 from torch import Tensor, nn
@@ -27,14 +33,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from torchcontract.apis import fully_shard
-from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.testing import run_distributed
 
-pytestmark = pytest.mark.skipif(
-    not REFERENCE_FULLY_SHARD_ON_CPU,
-    reason=f"compares with PyTorch's fully_shard, which fails on CPU with torch "
-    f"{torch.__version__}",
-)
+pytestmark = needs_reference_fully_shard
 
 STEPS: Final = 2
 MICRO: Final = 2
