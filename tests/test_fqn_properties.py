@@ -256,10 +256,14 @@ def delattr_child(chooser: Chooser, pools: Pools, target: nn.Module) -> None:
 
 
 def swap_child_for_copy(chooser: Chooser, pools: Pools, target: nn.Module) -> None:
-    """A different module object with the same FQNs (ties to outside are lost)."""
+    """A different module object with the same FQNs (ties to outside are lost).
+
+    Put in ``_modules`` directly: an edit of ``_parameters`` may have registered a
+    parameter of the same name, under which torch's ``setattr`` refuses a module.
+    """
     names = [name for name, child in target._modules.items() if child is not None]
     name = chooser.choice(names)
-    setattr(target, name, copy.deepcopy(target._modules[name]))
+    target._modules[name] = copy.deepcopy(target._modules[name])
 
 
 def setattr_parameter(chooser: Chooser, pools: Pools, target: nn.Module) -> None:
