@@ -142,3 +142,19 @@ def sharded_gpt(apply: Callable[..., Any], mesh: DeviceMesh) -> GPT:
 def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     """The modules of ``model`` sharded by either API (``FSDPModule`` instances), in order."""
     return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def tiny_llama_config() -> Any:
+    """A Hugging Face ``LlamaConfig`` of two layers of width 16 (built, never downloaded)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=37,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )

@@ -22,6 +22,7 @@ from fully_shard_models import (
     largest_gap,
     loss_on,
     needs_reference_fully_shard,
+    tiny_llama_config,
 )
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -106,18 +107,9 @@ def _score_keeps_the_root(rank: int, mesh: DeviceMesh) -> list[list[str]]:
 
 def _llama_generate_then_train(rank: int, mesh: DeviceMesh) -> float:
     """Hugging Face generate() on a tiny Llama, then 3 AdamW steps: the parameter gap."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=37,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-    )
+    config = tiny_llama_config()
     models: list[nn.Module] = []
     generator = torch.Generator().manual_seed(rank)
     data = [torch.randint(0, 37, (2, 6), generator=generator) for _ in range(3)]

@@ -22,6 +22,7 @@ from fully_shard_models import (
     largest_gap,
     loss_on,
     needs_reference_fully_shard,
+    tiny_llama_config,
 )
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -441,18 +442,9 @@ def _placement(rank: int, mesh: DeviceMesh) -> tuple[float, float, float]:
 
 def _generate(mesh: DeviceMesh) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
     """Hugging Face generate() on a tiny Llama, registered as a forward method: both, and plain."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=37,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-    )
+    config = tiny_llama_config()
     prompt = torch.tensor([[1, 5, 9, 3]])
     outputs: list[list[list[int]]] = []
     for apply in (fully_shard, torch_fully_shard, None):
