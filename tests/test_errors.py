@@ -26,6 +26,7 @@ from torchcontract import (
     RulePredicateError,
     UnknownTorchAPIError,
     UnmaterializedParameterError,
+    UnusedParameterError,
     contract,
 )
 
@@ -49,6 +50,7 @@ from torchcontract import (
         (RulePredicateError, (ContractError,)),
         (UnknownTorchAPIError, (ValueError,)),
         (UnmaterializedParameterError, (ContractError,)),
+        (UnusedParameterError, (ContractError,)),
     ],
 )
 def test_error_has_its_documented_bases(error: type[Exception], bases: tuple[type, ...]) -> None:
@@ -75,6 +77,7 @@ def test_every_error_is_exported() -> None:
             "RulePredicateError",
             "UnknownTorchAPIError",
             "UnmaterializedParameterError",
+            "UnusedParameterError",
         ]
     )
 

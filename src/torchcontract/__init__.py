@@ -33,6 +33,7 @@ from ._errors import (
     RulePredicateError,
     UnknownTorchAPIError,
     UnmaterializedParameterError,
+    UnusedParameterError,
 )
 from ._export import exported_from
 from ._fqn import FQNSnapshot, take_snapshot
@@ -83,6 +84,7 @@ __all__ = [
     "TorchAPIName",
     "UnknownTorchAPIError",
     "UnmaterializedParameterError",
+    "UnusedParameterError",
     "contract",
     "describe",
     "exported_from",

@@ -90,5 +90,14 @@ class UnmaterializedParameterError(ContractError):
     """A module ran forward with parameters still on the meta device (never materialized)."""
 
 
+class UnusedParameterError(ContractError):
+    """A synchronizing backward gave no gradient to a parameter that had to take part.
+
+    Raised by ``replicate`` with ``find_unused_parameters=False`` (DDP's default) at the
+    next forward with grad enabled, where ``DistributedDataParallel`` raises its
+    ``RuntimeError``; the message starts with DDP's.
+    """
+
+
 class UnknownTorchAPIError(ValueError):
     """A rule names a torch composable API by a name torch does not register."""

@@ -122,33 +122,39 @@ def _numel(model: nn.Module, names: tuple[str, ...]) -> int:
     return sum(model.get_parameter(name).numel() for name in names)
 
 
-def _buckets(rank: int, bucket_cap_mb: float | None) -> Results:
-    """Three steps of ours and DDP's with the same ``bucket_cap_mb``: buckets and all-reduces.
+def _buckets(rank: int, bucket_cap_mb: float | None, find_unused: bool) -> Results:
+    """Three steps of ours and DDP's with the same keywords: buckets and all-reduces.
 
-    Ours sends each bucket's gradients and one used-flag per parameter.
+    With ``find_unused_parameters`` ours sends each bucket's gradients and one used-flag
+    per parameter; without, the gradients alone.
     """
     mine, raw = _deep(), _deep()
-    replicate(mine, bucket_cap_mb=bucket_cap_mb)
-    ddp = DistributedDataParallel(raw, find_unused_parameters=True, bucket_cap_mb=bucket_cap_mb)
+    keywords: dict[str, Any] = {"find_unused_parameters": find_unused}
+    if bucket_cap_mb is not None:
+        keywords["bucket_cap_mb"] = bucket_cap_mb
+    replicate(mine, **keywords)
+    ddp = DistributedDataParallel(raw, **keywords)
+    flags = 1 if find_unused else 0
     theirs = DDPRecorder(ddp)
     recorder = Recorder()
     steps: list[tuple[Any, ...]] = []
     for step in range(3):
         x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(10 * rank + step))
         with recorder.recording():
-            torch.autograd.backward(mine(x).square().mean())
+            loss = mine(x).square().mean()
+            buckets = replicate.state(mine).buckets  # those this backward launches
+            torch.autograd.backward(loss)
         torch.autograd.backward(ddp(x).square().mean())
         sent = recorder.take()
-        buckets = replicate.state(mine).buckets
         steps.append(
             (
                 sent,
-                [(names, _numel(mine, names) + len(names)) for names in buckets],
+                [(names, _numel(mine, names) + flags * len(names)) for names in buckets],
                 theirs.take(),
                 [_numel(mine, names) * 4 // MIB for names in buckets],
             )
         )
-    return {"steps": steps}
+    return {"steps": steps, "flags": flags}
 
 
 class Normed(nn.Module):
@@ -170,7 +176,7 @@ def _normed() -> Normed:
 def _buffer_broadcasts(rank: int, broadcast_buffers: bool) -> tuple[list[bool], list[bool]]:
     """Per forward of three steps: whether ours and DDP's broadcast buffers before it."""
     mine, raw = _normed(), _normed()
-    replicate(mine, broadcast_buffers=broadcast_buffers)
+    replicate(mine, find_unused_parameters=True, broadcast_buffers=broadcast_buffers)
     ddp = DistributedDataParallel(
         raw, find_unused_parameters=True, broadcast_buffers=broadcast_buffers
     )
@@ -200,7 +206,7 @@ def _local_backwards(rank: int) -> dict[str, tuple[int, int, int]]:
     backward stays on the rank.)
     """
     mine, raw = _normed(), _normed()
-    replicate(mine)
+    replicate(mine, find_unused_parameters=True)
     ddp = DistributedDataParallel(raw, find_unused_parameters=True)
     theirs = DDPRecorder(ddp)
     recorder = Recorder()
@@ -229,8 +235,10 @@ def _local_backwards(rank: int) -> dict[str, tuple[int, int, int]]:
 
 def _job(rank: int, world_size: int) -> Results:
     return {
-        "buckets": _buckets(rank, 2),
-        "default_buckets": _buckets(rank, None),
+        "buckets": _buckets(rank, 2, find_unused=True),
+        "default_buckets": _buckets(rank, None, find_unused=True),
+        "ddp_default_buckets": _buckets(rank, None, find_unused=False),
+        "ddp_default_capped": _buckets(rank, 2, find_unused=False),
         "broadcasts": _buffer_broadcasts(rank, broadcast_buffers=True),
         "no_broadcasts": _buffer_broadcasts(rank, broadcast_buffers=False),
         "local": _local_backwards(rank),
@@ -245,6 +253,10 @@ def ranks() -> list[Results]:
 # ----------------------------------------------------------------- buckets
 
 
+#: The bucket scenarios: (bucket_cap_mb, find_unused_parameters) on both sides.
+BUCKETS: Final = ("buckets", "default_buckets", "ddp_default_buckets", "ddp_default_capped")
+
+
 def test_a_given_cap_holds_for_every_bucket_the_first_included_as_ddps(
     ranks: list[Results],
 ) -> None:
@@ -253,34 +265,57 @@ def test_a_given_cap_holds_for_every_bucket_the_first_included_as_ddps(
             assert mebibytes == [2, 2, 2, 2]
 
 
+def test_a_given_cap_holds_once_rebuilt_without_unused_parameters_as_ddps(
+    ranks: list[Results],
+) -> None:
+    """DDP's default find_unused_parameters=False: one bucket, then rebuilt at the cap."""
+    for rank in ranks:
+        steps = rank["ddp_default_capped"]["steps"]
+        assert [mebibytes for _, _, _, mebibytes in steps] == [[8], [2, 2, 2, 2], [2, 2, 2, 2]]
+
+
 def test_under_the_default_cap_the_bucket_launched_last_holds_one_mib_as_ddps(
     ranks: list[Results],
 ) -> None:
-    """The parameters defined first; the others hold a quarter of the gradients here (2 MiB),
-    where DDP's hold up to 25 MiB."""
+    """The parameters defined first; the others share one bucket of up to 25 MiB."""
     for rank in ranks:
-        for _, buckets, ddp_buckets, mebibytes in rank["default_buckets"]["steps"]:
-            assert mebibytes == [1, 2, 2, 2, 1]
-            names, size = buckets[-1]
-            assert [(tuple(sorted(names)), size - len(names))] == ddp_buckets[-1:]
+        for _, _, ddp_buckets, mebibytes in rank["default_buckets"]["steps"]:
+            assert mebibytes == [7, 1]
             assert ddp_buckets[-1] == (("0.weight",), MIB // 4)
 
 
-def test_each_backward_all_reduces_the_buckets_in_launch_order(ranks: list[Results]) -> None:
-    """What is sent is each bucket's gradients and one used-flag per parameter, in order."""
+def test_under_ddps_defaults_the_rebuilt_bucket_launched_first_holds_one_mib_as_ddps(
+    ranks: list[Results],
+) -> None:
+    """Rebuilt in arrival order, the 1 MiB bucket takes the last layer, launched first."""
     for rank in ranks:
-        for step, (sent, buckets, _, _) in enumerate(rank["buckets"]["steps"]):
-            # After the first, rank 0's arrival order is broadcast: the buckets rebuilt.
-            rebuild = [("broadcast", LAYERS)] if step == 0 else []
+        steps = rank["ddp_default_buckets"]["steps"]
+        assert [mebibytes for _, _, _, mebibytes in steps] == [[8], [1, 7], [1, 7]]
+        for _, _, ddp_buckets, _ in steps[1:]:
+            assert ddp_buckets[0] == ((f"{LAYERS - 1}.weight",), MIB // 4)
+
+
+@pytest.mark.parametrize("scenario", BUCKETS)
+def test_each_backward_all_reduces_the_buckets_in_launch_order(
+    ranks: list[Results], scenario: str
+) -> None:
+    """What is sent is each bucket's gradients (and used-flags), in order; then a rebuild's
+    broadcast of rank 0's arrival order, where DDP rebuilds (find_unused_parameters=False)."""
+    for rank in ranks:
+        rebuilds = rank[scenario]["flags"] == 0
+        for step, (sent, buckets, _, _) in enumerate(rank[scenario]["steps"]):
+            rebuild = [("broadcast", LAYERS)] if step == 0 and rebuilds else []
             assert sent == [("all_reduce", size) for _, size in buckets] + rebuild
 
 
-def test_buckets_and_their_order_equal_ddps_before_and_after_the_rebuild(
-    ranks: list[Results],
+@pytest.mark.parametrize("scenario", BUCKETS)
+def test_buckets_and_their_order_equal_ddps_in_every_backward(
+    ranks: list[Results], scenario: str
 ) -> None:
     for rank in ranks:
-        for _, buckets, ddp_buckets, _ in rank["buckets"]["steps"]:
-            mine = [(tuple(sorted(names)), size - len(names)) for names, size in buckets]
+        flags = rank[scenario]["flags"]
+        for _, buckets, ddp_buckets, _ in rank[scenario]["steps"]:
+            mine = [(tuple(sorted(names)), size - flags * len(names)) for names, size in buckets]
             assert mine == ddp_buckets
 
 

@@ -8,14 +8,14 @@ several: a hook sees the same buckets (index, size, shapes, last one) as DDP's,
 in the same order, and the gradients after every step equal DDP's with the
 same hook, parameters used on one rank only included.
 
-The PowerSGD hooks run with ``find_unused_parameters=False`` on both sides
-(the buckets are then rebuilt after the first step, in the order gradients
-arrived, which the hook's random matrices depend on), with one bucket (the
-default cap) and every parameter used: DDP's own PowerSGD on gloo hangs with
-several buckets, and aborts the process with
-``find_unused_parameters=True`` (its callbacks wait for all-reduces on gloo's
-threads while DDP launches the next bucket's, or its map of used parameters, in
-an order that differs by rank).
+torch's hooks also run as DDP is called, with no keyword (DDP's defaults:
+``find_unused_parameters=False``, so the buckets are rebuilt after the first
+step, in the order gradients arrived, which PowerSGD's random matrices depend
+on), every parameter used. The PowerSGD hooks run only so, with the default cap:
+DDP's own PowerSGD on gloo hangs with several buckets, and aborts the process
+with ``find_unused_parameters=True`` (its callbacks wait for all-reduces on
+gloo's threads while DDP launches the next bucket's, or its map of used
+parameters, in an order that differs by rank).
 Where DDP's hook raises (torch 2.13's ``batched_powerSGD_hook`` hands a 2-D
 matrix to a check for 3-D ones), replicate's raises the same error.
 """
@@ -41,17 +41,28 @@ from torchcontract.testing import run_distributed
 STEPS: Final = 4
 
 
-def _power_sgd() -> powerSGD_hook.PowerSGDState:
+def _power_sgd(min_compression_rate: float = 2) -> powerSGD_hook.PowerSGDState:
     return powerSGD_hook.PowerSGDState(
-        process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2, random_seed=0
+        process_group=None,
+        matrix_approximation_rank=1,
+        start_powerSGD_iter=2,
+        min_compression_rate=min_compression_rate,
+        random_seed=0,
     )
 
 
 #: By name: a fresh state and the hook.
 HOOKS: Final[dict[str, Callable[[], tuple[object, Callable[[Any, GradBucket], Any]]]]] = {
     "allreduce_hook": lambda: (None, default_hooks.allreduce_hook),
+    "allreduce_hook, no keyword": lambda: (None, default_hooks.allreduce_hook),
     "fp16_compress_hook": lambda: (None, default_hooks.fp16_compress_hook),
+    "fp16_compress_hook, no keyword": lambda: (None, default_hooks.fp16_compress_hook),
     "powerSGD_hook": lambda: (_power_sgd(), powerSGD_hook.powerSGD_hook),
+    # Every bucket compressed: where DDP's defaults were not ours, this gave another result.
+    "powerSGD_hook, min_compression_rate=0.5": lambda: (
+        _power_sgd(0.5),
+        powerSGD_hook.powerSGD_hook,
+    ),
     "batched_powerSGD_hook": lambda: (_power_sgd(), powerSGD_hook.batched_powerSGD_hook),
     "recording_hook": lambda: (Recorder(), recording_hook),
     # DDP then starts from one bucket and rebuilds them in the order gradients arrived.
@@ -63,8 +74,8 @@ if "bucket_cap_mb_list" in _compat.DDP_KEYWORDS:  # DDP 2.13 on; ours refuses it
 
 def _keywords(name: str) -> tuple[dict[str, Any], bool]:
     """The keywords both sides take for ``name``, and whether every rank uses ``side``."""
-    if "powerSGD" in name:
-        return {"bucket_cap_mb": None, "find_unused_parameters": False}, True
+    if "powerSGD" in name or name.endswith("no keyword"):
+        return {}, True
     if name.endswith("find_unused_parameters=False"):
         return {"bucket_cap_mb": CAP_MB, "find_unused_parameters": False}, True
     if name.endswith("bucket_cap_mb_list"):

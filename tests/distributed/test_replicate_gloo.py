@@ -114,7 +114,7 @@ def _train_both(
     if checkpoint_blocks:
         for block in model.blocks:
             checkpoint(block)
-    replicate(model, bucket_cap_mb=bucket_cap_mb)
+    replicate(model, find_unused_parameters=True, bucket_cap_mb=bucket_cap_mb)
     ddp = DistributedDataParallel(reference, find_unused_parameters=True)
     optimizers = [make_optimizer(model.parameters()), make_optimizer(ddp.parameters())]
     gap = 0.0
@@ -140,7 +140,7 @@ def _adam(parameters: Iterator[nn.Parameter]) -> torch.optim.Optimizer:
 def _no_sync_gap(rank: int) -> tuple[float, int, bool]:
     """Two local micro-batches then a synced one, against DDP's no_sync."""
     model, reference = _net(), _net()
-    replicate(model)
+    replicate(model, find_unused_parameters=True)
     ddp = DistributedDataParallel(reference, find_unused_parameters=True)
     with no_sync(model):
         inside = replicate.state(model).sync_gradients
@@ -161,7 +161,7 @@ def _broadcast_result(rank: int) -> tuple[bool, bool]:
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
                 tensor.add_(1.0)
-    replicate(model)
+    replicate(model, find_unused_parameters=True)
     flat = torch.cat([t.reshape(-1) for t in [*model.parameters(), *model.buffers()]])
     gathered = [torch.empty_like(flat) for _ in range(WORLD_SIZE)]
     dist.all_gather(gathered, flat)
@@ -190,7 +190,7 @@ def _freed_after_training(rank: int) -> bool:
     model = _net()
     for block in model.blocks:
         checkpoint(block)
-    replicate(model)
+    replicate(model, find_unused_parameters=True)
     torch.autograd.backward(_loss(model, rank, 0, 0))
     alive = weakref.ref(model)
     gc.disable()
@@ -203,7 +203,7 @@ def _freed_after_training(rank: int) -> bool:
 
 @contract()
 def replicate_then_fail(module: nn.Module) -> None:
-    replicate(module)
+    replicate(module, find_unused_parameters=True)
     raise ValueError("planned failure after replicate installed its hooks")
 
 
@@ -219,7 +219,7 @@ def _rolled_back_hooks_gap(rank: int) -> tuple[bool, float]:
 
 def _sparse_gradient_error(rank: int) -> str:
     model = nn.EmbeddingBag(10, 4, sparse=True)
-    replicate(model)
+    replicate(model, find_unused_parameters=True)
     try:
         torch.autograd.backward(model(torch.tensor([[1, 2]])).sum())
     except ContractError as error:
@@ -244,7 +244,7 @@ def _parity_job(rank: int, world_size: int) -> Results:
     results["rolled_back"] = _rolled_back_hooks_gap(rank)
     results["sparse"] = _sparse_gradient_error(rank)
     model = _net()
-    replicate(model, bucket_cap_mb=0.001)
+    replicate(model, find_unused_parameters=True, bucket_cap_mb=0.001)
     state = replicate.state(model)
     results["buckets"] = state.buckets
     results["group_size"] = None if state.process_group is None else state.process_group.size()

@@ -253,10 +253,10 @@ def _run(scenario: Scenario, rank: int) -> Gaps:
     """
     mine, raw = _model(), _model()
     if scenario.from_replicated_copy:
-        replicate(mine)
+        replicate(mine, find_unused_parameters=True)
         mine = copy.deepcopy(mine)
         assert len(mine._forward_hooks) == 1  # the prototype's, inherited
-    replicate(mine)
+    replicate(mine, find_unused_parameters=True)
     ours = _train(mine, lambda: no_sync(mine), mine, scenario, rank)
     ddp = DistributedDataParallel(raw, find_unused_parameters=True)
     theirs = _train(ddp, ddp.no_sync, raw, scenario, rank)

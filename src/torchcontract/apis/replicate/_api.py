@@ -219,7 +219,7 @@ def replicate(
     process_group: dist.ProcessGroup | None = None,
     bucket_cap_mb: float | None = None,
     broadcast_buffers: bool = True,
-    find_unused_parameters: bool = True,
+    find_unused_parameters: bool = False,
     static_graph: bool = False,
     gradient_as_bucket_view: bool = False,
     init_sync: bool = True,
@@ -228,14 +228,13 @@ def replicate(
 ) -> None:
     """Average ``module``'s gradients over ``process_group`` (default: the world) in backward.
 
-    What ``DistributedDataParallel(module, find_unused_parameters=True)`` computes,
-    through hooks instead of a wrapper: at apply, rank 0's parameters and buffers
-    are copied to every rank; a backward through the outputs of a forward run with
-    grad enabled outside ``no_sync`` leaves in ``.grad`` the mean over ranks, for
-    every parameter some rank used since the last such backward; with
-    ``broadcast_buffers`` rank 0's buffers are copied to every rank before each
-    forward that follows such a forward. Every rank must run the same
-    synchronizing forwards and backwards.
+    What ``DistributedDataParallel(module, **keywords)`` computes, with DDP's
+    keywords, defaults and buckets, through hooks instead of a wrapper: at apply,
+    rank 0's parameters and buffers are copied to every rank; a backward through
+    the outputs of a forward run with grad enabled outside ``no_sync`` leaves in
+    ``.grad`` the mean over ranks; with ``broadcast_buffers`` rank 0's buffers are
+    copied to every rank before each forward that follows such a forward. Every
+    rank must run the same synchronizing forwards and backwards.
 
     Cannot be combined with ``checkpoint(use_reentrant=True)`` on the same or
     nested modules, nor with torch's own ``replicate`` or ``fully_shard`` on the
@@ -253,22 +252,24 @@ def replicate(
         bucket_cap_mb: The MiB of gradients reduced in one collective, as DDP
             counts them (a bucket closes once it holds its cap); None is DDP's
             default, 25, under which the bucket of the parameters defined first
-            (launched last; after the rebuild, the first launched) is capped at
-            1 MiB, as DDP's; a cap given holds for every bucket. Without a
-            communication hook the caps are at most a quarter of the model's
-            gradient bytes (1 MiB at least), so that reductions overlap the
-            backward; with one, they are DDP's.
+            (launched last; after a rebuild, the first launched) is capped at
+            1 MiB, as DDP's; a cap given holds for every bucket. The buckets are
+            DDP's in every backward, with a communication hook or without.
         broadcast_buffers: Copy rank 0's buffers to every rank before each forward
             that follows a synchronizing one, as DDP does.
-        find_unused_parameters: As DDP's: True (the default here; DDP's is False)
-            averages every parameter some rank used, and leaves alone those none
-            used; False keeps no such bookkeeping (no flags travel with the
-            gradients, and with a communication hook the buckets are rebuilt in
-            the order gradients arrived, as DDP's), and a synchronized backward
-            in which a parameter gets no gradient raises DDP's error.
+        find_unused_parameters: As DDP's. False (the default, as DDP's) expects
+            every parameter to get a gradient in every synchronizing backward and
+            keeps no bookkeeping of which were used; the buckets start as one per
+            dtype and are rebuilt once, after the first synchronizing backward, in
+            the order gradients arrived. A parameter that got no gradient leaves
+            every gradient unaveraged, and the next forward raises
+            ``UnusedParameterError`` (DDP's error, which names it). True averages
+            every parameter some rank used since the last synchronization, leaves
+            alone those no rank used, and never rebuilds the buckets.
         static_graph: As DDP's: the promise that every iteration uses the same
-            parameters; with a communication hook the buckets are then rebuilt
-            in the order gradients arrived, as DDP's. The numbers do not change.
+            parameters; those unused in the first synchronizing backward may stay
+            unused, and the buckets are rebuilt once, after the second, in the
+            order gradients arrived. The numbers do not change.
         gradient_as_bucket_view: As DDP's: after a synchronized backward each
             averaged ``.grad`` is a view into its bucket's buffer, so the model
             holds one copy of its gradients instead of two; the next backward
@@ -283,7 +284,7 @@ def replicate(
         bucket_cap_mb_list: As DDP's (torch 2.13 on; refused with a ``TypeError``
             where this torch's DDP lacks it): the cap of each bucket in turn, the
             last repeated; ``bucket_cap_mb`` is then ignored, and the caps are
-            DDP's, hook or not (the rebuild, without a hook, still takes place).
+            DDP's.
 
     The module becomes an instance of ``Replicate<Class>``, a subclass of its class
     and of ``ReplicateModule``, which carries ``DistributedDataParallel``'s methods
@@ -296,6 +297,8 @@ def replicate(
 
     Raises:
         ContractError: No process group is initialized.
+        UnusedParameterError: With ``find_unused_parameters=False``, at the forward
+            after a synchronizing backward in which a parameter got no gradient.
         ModelMismatchError: The ranks hold different models (raised on every rank).
         InvalidTargetError: ``module`` has no parameter that requires a gradient, or
             is a list.
@@ -334,7 +337,7 @@ def replicate(
         cap_bytes=cap_bytes,
         default_cap=bucket_cap_mb is None and not cap_list,
         find_unused=find_unused_parameters,
-        rebuild_with_hook=static_graph or not find_unused_parameters,
+        static_graph=static_graph,
         gradient_as_bucket_view=gradient_as_bucket_view,
         cap_list=cap_list,
         on_synchronized=_count_synchronization,

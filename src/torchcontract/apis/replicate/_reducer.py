@@ -1,6 +1,6 @@
 """The reducer: which backward synchronizes, and the averaging of gradients in buckets.
 
-Semantics are those of ``DistributedDataParallel(find_unused_parameters=True)``:
+Semantics are those of ``DistributedDataParallel``, keyword for keyword:
 
 * Whether a backward synchronizes is decided by the forward that built its
   graph: a forward of the replicated module with grad enabled and
@@ -9,24 +9,29 @@ Semantics are those of ``DistributedDataParallel(find_unused_parameters=True)``:
   reaches one of them synchronizes, once. Any other backward (inside ``no_sync``, a
   second one through a retained graph, one that never went through the module's
   forward) only accumulates locally and issues no collective, so it cannot hang.
-* A parameter counts as used if its gradient was accumulated in any backward
-  since the last synchronization (``no_sync`` steps included). At the end of a
-  synchronizing backward, every parameter used on some rank gets the mean over
-  ranks of ``.grad``: what it holds now, earlier accumulation included, or zeros
-  where it has none. A parameter no rank used keeps its ``.grad`` untouched.
+* With ``find_unused_parameters`` (or ``static_graph``), a parameter counts as
+  used if its gradient was accumulated in any backward since the last
+  synchronization (``no_sync`` steps included). At the end of a synchronizing
+  backward, every parameter used on some rank gets the mean over ranks of
+  ``.grad``: what it holds now, earlier accumulation included, or zeros where it
+  has none. A parameter no rank used keeps its ``.grad`` untouched. Without
+  either, every parameter must get a gradient in every synchronizing backward:
+  where one did not, no gradient is averaged and the next forward raises DDP's
+  error (``UnusedParameterError``).
 * Buckets are all-reduced asynchronously, strictly in order, each as soon as all
   of its parameters' gradients arrived in this backward; the rest at the end.
-  They are first assigned as DDP's (``assign_buckets_as_ddp`` over the parameters
-  in definition order, launched last first); without a communication hook, after
-  the first synchronizing backward they are rebuilt in the order gradients
-  arrived on the first rank, so later backwards launch them early.
-
-* With a communication hook (``register_comm_hook``) each bucket's buffer holds
-  the gradients alone, undivided, and the hook reduces it; whether a parameter
-  was used is then all-reduced once per backward, after the buckets, as DDP
-  does. The buckets then are DDP's (``bucket_cap_mb``, a 1 MiB first one only
-  with the default cap; rebuilt only with ``find_unused_parameters=False`` or
-  ``static_graph``), since a hook's result may depend on them.
+  They are DDP's in every backward, hook or not: first assigned by DDP's rule
+  (``assign_buckets_as_ddp`` over the parameters in definition order, launched
+  last first; one bucket per kind with ``find_unused_parameters=False`` or
+  ``static_graph``), then, with either of those only, rebuilt once in the order
+  gradients arrived on the first rank: after the first synchronizing backward,
+  or the second with ``static_graph``, as DDP's.
+* Without a hook, each bucket also carries the used-flags of its parameters
+  (with ``find_unused_parameters``), so whether a parameter was used travels
+  with its gradients. With a communication hook (``register_comm_hook``) each
+  bucket's buffer holds the gradients alone, undivided, and the hook reduces
+  it; whether a parameter was used is then all-reduced once per backward, after
+  the buckets, as DDP does.
 * Under ``torch.distributed.algorithms.Join`` (``join.py``), a rank whose inputs
   ran out shadows the others' collectives (``shadow``) with zeros.
 
@@ -54,6 +59,7 @@ from torchcontract import (
     Application,
     ContractError,
     IncompatibleAPIError,
+    UnusedParameterError,
     module_label,
     named_tree,
     torch_registry,
@@ -66,12 +72,6 @@ from ._outputs import find_tensors
 from ._state import ReplicateState
 
 __all__ = ["Reducer", "reducer_of"]
-
-#: A model's gradients are reduced in this many buckets at least, where the caps allow.
-#: More overlap less of the backward than each collective costs on its own: on 2 gloo
-#: ranks sharing 2 cores, a 50-layer MLP's step took 1.06 to 1.12 times DDP's with 8,
-#: 1.14 to 1.19 with 16, 0.98 to 1.05 with 2 to 4 (DDP's own sizes: 1.02 to 1.05).
-_MIN_BUCKETS: Final = 4
 
 #: Called at the end of each synchronized backward, with the new buckets once rebuilt.
 OnSynchronized = Callable[[nn.Module, tuple[tuple[str, ...], ...] | None], None]
@@ -104,8 +104,8 @@ class Reducer:
         named: Sequence[tuple[str, nn.Parameter]],
         cap_bytes: int,
         default_cap: bool,
-        find_unused: bool = True,
-        rebuild_with_hook: bool = False,
+        find_unused: bool = False,
+        static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
         cap_list: Sequence[int] = (),
         on_synchronized: OnSynchronized,
@@ -119,15 +119,20 @@ class Reducer:
         self._cap_bytes = cap_bytes
         self._default_cap = default_cap
         self._cap_list = tuple(cap_list)  # DDP's bucket_cap_mb_list, in bytes
-        # DDP's find_unused_parameters: False keeps no used-flags; every parameter
-        # must then take part in every synchronized backward.
-        self._find_unused = find_unused
+        # Whether parameters may go unused: DDP's find_unused_parameters, or a static
+        # graph (whose unused parameters DDP finds in its first iteration). Without
+        # either no used-flags are kept, and every parameter must take part in every
+        # synchronized backward.
+        self._tracks_used = find_unused or static_graph
         #: DDP's gradient_as_bucket_view: ``.grad`` left as a view into the bucket buffer.
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        # DDP rebuilds its buckets (hook or not) only with a static graph or
-        # without unused parameters found; ours follow that only under a hook
-        # (without one they are always rebuilt: the numbers do not depend on them).
-        self._rebuild_with_hook = rebuild_with_hook
+        # DDP's should_rebuild_buckets: once, and only with a static graph or without
+        # unused parameters found; then from the arrival order of the first
+        # synchronized backward, or of the second with a static graph (whose first
+        # DDP reduces all at once, at its end).
+        self._static_graph = static_graph
+        self._rebuilds = static_graph or not find_unused
+        self._backwards_before_rebuild = 1 if static_graph else 0
         self.update: Final = update
         self._comm_hook: tuple[object, CommHook] | None = None
         # Join (see join.py): the config torch's Join sets on the module, whether
@@ -137,21 +142,15 @@ class Reducer:
         self.divide_by_initial_world_size = True
         self._active_ranks: dist.Work | None = None
         parameters = [parameter for _, parameter in named]
-        total = sum(parameter.numel() * parameter.element_size() for parameter in parameters)
-        # At most the cap, and at most a quarter of the gradient bytes (but 1 MiB at
-        # least), so that reductions overlap the backward on models of a few caps too.
-        self._bucket_bytes = min(cap_bytes, max(FIRST_BUCKET_BYTES, total // _MIN_BUCKETS))
-        # As DDP: under the default cap, a 1 MiB bucket for the parameters defined first
-        # (launched last, so that little is left to reduce once the backward ends; after
-        # a rebuild, the first to arrive); a cap given holds for every bucket.
-        self._first_cap = (
-            min(FIRST_BUCKET_BYTES, self._bucket_bytes) if default_cap else self._bucket_bytes
-        )
         self._on_synchronized = on_synchronized
         count = len(named)
         self._used = [False] * count  # accumulated into since the last synchronization
-        self._arrival: list[int] | None = []  # arrival order until the buckets are rebuilt
-        self._rebuilt_order: list[int] = []  # the first rank's, which they were rebuilt from
+        # The arrival order of this synchronized backward, while the buckets are still to
+        # be rebuilt; None once rebuilt, or where DDP never rebuilds them.
+        self._arrival: list[int] | None = [] if self._rebuilds else None
+        # Set by a synchronized backward in which some parameters got no gradient (without
+        # unused parameters found): the error the next forward raises, as DDP's.
+        self._unfinished: UnusedParameterError | None = None
         self._task = -1  # the autograd graph task that synchronizes, or -1
         # DDP's require_forward_param_sync: buffers are broadcast before a forward
         # that follows a synchronizing one (and before the first).
@@ -162,7 +161,7 @@ class Reducer:
         self._checked_torch_apis = False
         self._launched: list[_Pending] = []  # in order, not yet waited for
         # DDP's first assignment: in the parameters' order, launched last first.
-        buckets = assign_buckets_as_ddp(parameters, range(count), self._limits())
+        buckets = assign_buckets_as_ddp(parameters, range(count), self._first_limits())
         buckets.sort(key=min, reverse=True)
         self._set_buckets(buckets)
         _REDUCERS[module] = self
@@ -252,6 +251,9 @@ class Reducer:
             self._checked_torch_apis = True
         if record.rank_local:
             return
+        if self._unfinished is not None and torch.is_grad_enabled():
+            # DDP's check, at the same moment: before any forward with grad enabled.
+            raise self._unfinished
         # Under Join, tell the joined ranks this one has not joined (the sum is the
         # count of ranks not joined); None outside Join.
         self._active_ranks = Join.notify_join_context(cast(Joinable, module))
@@ -351,7 +353,7 @@ class Reducer:
             views = self._allocate(position)
         flat = self._flats[position]
         grads = [self._parameter(index).grad for index in bucket]
-        if self._comm_hook is not None or not self._find_unused:
+        if not self._flags_in_buckets:
             # Without flags; with a hook, undivided (it reduces and divides, as with DDP).
             if self._comm_hook is None:
                 self._copy_in(bucket, grads, views, 1.0 / self._divisor())
@@ -393,8 +395,14 @@ class Reducer:
         assert self._comm_hook is not None
         state, hook = self._comm_hook
         parameters = [self._parameter(index) for index in self._buckets[position]]
-        last = position == len(self._buckets) - 1
-        given = Bucket(position, flat, gradients, parameters, is_last=last)
+        index, last = position, position == len(self._buckets) - 1
+        if self._static_graph and self._backwards_before_rebuild > 0:
+            # DDP reduces a static graph's first synchronized backward all at its end
+            # (delay_all_reduce), handing its hook every bucket as index 0, and as the
+            # last only where it is the only one; a hook that counts steps by is_last
+            # (PowerSGD) counts as DDP's.
+            index, last = 0, len(self._buckets) == 1
+        given = Bucket(index, flat, gradients, parameters, is_last=last)
         return hook(state, cast(GradBucket, given))  # it answers GradBucket's methods
 
     def _copy_in(
@@ -461,8 +469,12 @@ class Reducer:
         """Run by the autograd engine at the end of a synchronizing backward."""
         rebuilt: tuple[tuple[str, ...], ...] | None = None
         try:
-            if not self._find_unused:
-                self._check_all_arrived()
+            self._unfinished = self._unused_error()
+            if self._unfinished is not None:
+                # As DDP's: the buckets from the first incomplete one on are never
+                # launched, no gradient is averaged, and the next forward raises.
+                self._wait_launched()
+                return
             while self._next < len(self._buckets):
                 self._launch(self._next)
                 self._next += 1
@@ -470,9 +482,7 @@ class Reducer:
             used = self._used_everywhere(results)
             for position, averages in results:
                 self._write_back(position, averages, used)
-            if self._arrival is not None:
-                self._rebuild(self._arrival)
-                self._arrival = None
+            if self._arrival is not None and self._rebuild_after(self._arrival):
                 rebuilt = self.bucket_names
         finally:
             self._used = [False] * len(self._names)
@@ -511,27 +521,30 @@ class Reducer:
     @property
     def _flags_in_buckets(self) -> bool:
         """Whether each bucket ends with the used-flags of its parameters."""
-        return self._find_unused and self._comm_hook is None
+        return self._tracks_used and self._comm_hook is None
 
-    def _check_all_arrived(self) -> None:
-        """With ``find_unused_parameters=False``: every parameter's gradient arrived, or raise.
+    def _unused_error(self) -> UnusedParameterError | None:
+        """Without unused parameters found: DDP's error if a parameter got no gradient.
 
-        DDP's error, raised here at the end of the backward (DDP raises it at the
-        next forward), naming the parameters.
+        DDP's text first (code that matches it keeps matching), then the parameters
+        by name and what to do; raised by the next forward with grad enabled.
         """
+        if self._tracks_used:
+            return None
         missing = [
             name for name, arrived in zip(self._names, self._arrived, strict=True) if not arrived
         ]
-        if missing:
-            shown = ", ".join(repr(name) for name in missing[:5])
-            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            raise ContractError(
-                "Expected to have finished reduction in the prior iteration before starting a "
-                "new one. This error indicates that your module has parameters that were not "
-                f"used in producing loss: {self._where()} with find_unused_parameters=False got "
-                f"no gradient for {shown}{more} in this backward; pass "
-                "find_unused_parameters=True (the default), or use every parameter"
-            )
+        if not missing:
+            return None
+        shown = ", ".join(repr(name) for name in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        return UnusedParameterError(
+            "Expected to have finished reduction in the prior iteration before starting a "
+            "new one. This error indicates that your module has parameters that were not "
+            f"used in producing loss: {self._where()} got no gradient for {shown}{more} in "
+            "the last synchronizing backward; pass find_unused_parameters=True to replicate, "
+            "or make every parameter take part in the loss"
+        )
 
     def _used_everywhere(self, results: list[tuple[int, Tensor]]) -> list[bool]:
         """By parameter, whether some rank used it since the last synchronization.
@@ -539,7 +552,7 @@ class Reducer:
         Without a hook the flags travelled in the buckets; with one, they are
         all-reduced now, once, as DDP's map of locally used parameters.
         """
-        if not self._find_unused:
+        if not self._tracks_used:
             return [True] * len(self._names)
         used = [False] * len(self._names)
         if self._flags_in_buckets:
@@ -599,13 +612,19 @@ class Reducer:
 
     # ------------------------------------------------------------ hooks and Join
 
-    def _limits(self) -> tuple[int, ...]:
-        """The caps buckets take now: DDP's with a hook or a list of caps, else ours."""
-        if self._comm_hook is not None or self._cap_list:
-            return self._ddp_limits()
-        return (self._first_cap, self._bucket_bytes)
+    def _first_limits(self) -> tuple[int, ...]:
+        """DDP's caps for the first assignment (``compute_bucket_size_limits``).
 
-    def _ddp_limits(self) -> tuple[int, ...]:
+        The list given; else one bucket per kind where DDP rebuilds them later (it
+        cannot know the order gradients arrive in); else the rebuild's caps.
+        """
+        if self._cap_list:
+            return self._cap_list
+        if self._rebuilds:
+            return (sys.maxsize,)
+        return self._limits()
+
+    def _limits(self) -> tuple[int, ...]:
         """DDP's bucket caps: the list given, or 1 MiB then the cap (the default cap only)."""
         if self._cap_list:
             return self._cap_list
@@ -616,12 +635,8 @@ class Reducer:
     def register_comm_hook(self, module: nn.Module, state: object, hook: CommHook) -> None:
         """From the next backward, ``hook(state, bucket)`` reduces each bucket (checked first).
 
-        The buckets become DDP's, whenever the hook comes: with unused parameters
-        found, DDP's first assignment (in the parameters' order, launched last
-        first, DDP's sizes), which DDP keeps; with ``find_unused_parameters=False``
-        or ``static_graph``, one bucket per kind (or those of ``bucket_cap_mb_list``)
-        until the first synchronized backward, then DDP's sizes in the first rank's
-        arrival order of that backward.
+        The buckets are DDP's already and stay as they are, as DDP's do; their
+        buffers are made anew, without the used-flags, which a hook never sees.
         """
         if self._comm_hook is not None:
             raise ContractError(
@@ -634,27 +649,7 @@ class Reducer:
                 "register it between backwards (before training, or after a step)"
             )
         self._comm_hook = (state, hook)
-        limits = self._ddp_limits()
-        parameters = [self._parameter(index) for index in range(len(self._names))]
-        if self._rebuild_with_hook and self._arrival is None:
-            # DDP rebuilt its buckets after the first synchronized backward, from the
-            # first rank's arrival order, which ours were rebuilt from too.
-            buckets = assign_buckets_as_ddp(parameters, self._rebuilt_order, limits)
-        else:
-            # DDP's first assignment: in the parameters' order, sorted by their first
-            # index, launched last first. DDP rebuilds them only with a static graph
-            # or without unused parameters found, and then starts from one bucket
-            # (per kind) unless the caps of each bucket are given; otherwise it keeps
-            # them, even where ours were rebuilt before the hook came.
-            initial = limits
-            if self._rebuild_with_hook:
-                initial = limits if self._cap_list else (sys.maxsize,)
-            else:
-                self._arrival = None
-            buckets = assign_buckets_as_ddp(parameters, range(len(parameters)), initial)
-            buckets.sort(key=min, reverse=True)
-        self._set_buckets(buckets)
-        self.update(module, lambda record: attrs.evolve(record, buckets=self.bucket_names))
+        self._set_buckets(self._buckets)
 
     def shadow(self, module: nn.Module) -> None:
         """On a rank whose inputs ran out, meet one forward and backward of the others.
@@ -688,17 +683,15 @@ class Reducer:
             self._launched.append((position, pending))
         try:
             results = self._wait_launched()
-            if self._comm_hook is not None and self._find_unused:
+            if self._comm_hook is not None and self._tracks_used:
                 saved, self._used = self._used, [False] * len(self._names)
                 try:
                     self._used_everywhere(results)
                 finally:
                     self._used = saved
-            if self._arrival is not None:
-                # As DDP's joined rank, which counts every parameter as arrived in
-                # definition order: where it is the first rank, the rebuild takes that.
-                self._rebuild(list(range(len(self._names))))
-                self._arrival = None
+            # As DDP's joined rank, which counts every parameter as arrived in definition
+            # order: where it is the first rank, the rebuild takes that.
+            if self._arrival is not None and self._rebuild_after(list(range(len(self._names)))):
                 self.update(module, lambda record: attrs.evolve(record, buckets=self.bucket_names))
         finally:
             self._reset_backward()
@@ -714,12 +707,24 @@ class Reducer:
             tensors.extend(module.buffers())
         broadcast_from(tensors, self._group, self._cap_bytes, source)
 
-    def _rebuild(self, arrival: list[int]) -> None:
-        """Bucket anew in the first rank's arrival order (then the rest, last defined first).
+    def _rebuild_after(self, arrival: list[int]) -> bool:
+        """End of a synchronized backward, buckets still to rebuild: rebuild now, or not yet.
 
-        With a hook, ``bucket_cap_mb_list`` or ``find_unused_parameters=False``, DDP's
-        rebuild (filled in arrival order); otherwise filled from the end, the small
-        bucket of the default cap launched last.
+        True if rebuilt. A static graph's first synchronized backward only counts.
+        """
+        if self._backwards_before_rebuild > 0:
+            self._backwards_before_rebuild -= 1
+            self._arrival = []
+            return False
+        self._rebuild(arrival)
+        self._arrival = None
+        return True
+
+    def _rebuild(self, arrival: list[int]) -> None:
+        """DDP's rebuild: bucket anew in the first rank's arrival order, with DDP's caps.
+
+        Parameters that did not arrive (a static graph's unused ones) come last, the
+        last defined first.
         """
         arrived = set(arrival)
         order = arrival + [i for i in reversed(range(len(self._names))) if i not in arrived]
@@ -727,21 +732,7 @@ class Reducer:
         if self._group.size() > 1:
             _torch.broadcast(shared, dist.get_global_rank(self._group, 0), self._group)
         parameters = [self._parameter(index) for index in range(len(self._names))]
-        order = _torch.to_ints(shared)
-        self._rebuilt_order = order
-        if self._comm_hook is not None or self._cap_list or not self._find_unused:
-            # Where DDP rebuilds (without unused parameters found) or its buckets matter:
-            # DDP's rebuild, filled in arrival order.
-            self._set_buckets(assign_buckets_as_ddp(parameters, order, self._limits()))
-            return
-        # Ours (DDP with unused parameters found never rebuilds): filled from the end of
-        # the arrival order, as the first assignment is filled from the end of the launch
-        # order (the definition order). Where gradients arrive in reverse definition order
-        # the buckets stay exactly as they were, so a run resumed from a checkpoint (whose
-        # first backward uses the first assignment) sums in the same order as the
-        # uninterrupted run, to the bit, on any number of ranks.
-        filled = assign_buckets_as_ddp(parameters, order[::-1], self._limits())
-        self._set_buckets(filled[::-1])
+        self._set_buckets(assign_buckets_as_ddp(parameters, _torch.to_ints(shared), self._limits()))
 
 
 def _check_no_torch_api(root: nn.Module) -> None:

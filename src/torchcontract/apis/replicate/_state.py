@@ -23,9 +23,9 @@ class ReplicateState:
 
     Attributes:
         process_group: The group gradients are averaged over.
-        buckets: The FQNs of the parameters reduced together, in launch order (rebuilt
-            once, after the first synchronized backward, in the order gradients
-            arrived).
+        buckets: The FQNs of the parameters reduced together, in launch order: DDP's
+            (rebuilt once in the order gradients arrived, with
+            ``find_unused_parameters=False`` or ``static_graph``).
         broadcast_buffers: Whether rank 0's buffers are copied to every rank before
             each forward that follows a synchronized one, as
             ``DistributedDataParallel`` does.
