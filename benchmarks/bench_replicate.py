@@ -3,10 +3,10 @@
 Three models: the demo GPT, a 50-layer MLP (many parameters of one size, where
 bucketing and overlap decide), and an 8-layer MLP of 8 MiB of gradients in 1 MiB
 buckets (``bucket_cap_mb=1`` on both sides: 8 buckets, so launching them in order
-and overlapping them with the backward decide), timed against DDP's default and
-against ``find_unused_parameters=True`` (what replicate computes). Each rank holds
-every model twice, one under ``torchcontract.apis.replicate`` and one wrapped in
-``DistributedDataParallel`` (the bucketed MLP three times);
+and overlapping them with the backward decide), each side with DDP's defaults,
+and the bucketed MLP also with ``find_unused_parameters=True`` on both sides.
+Each rank holds every model twice, one under ``torchcontract.apis.replicate``
+and one wrapped in ``DistributedDataParallel`` (the bucketed MLP four times);
 ``benchmarks/ranks.py`` drives the steps and records round-trip, in-rank and
 alternating times. Target: replicate's step at most DDP's (alternating, in-rank
 ratio at most 1.0).
@@ -39,8 +39,9 @@ MODELS = ("demo GPT", "50-layer MLP", BUCKETED)
 MLPS = {"50-layer MLP": (50, 256), BUCKETED: (8, 512)}
 #: The bucket cap both sides take, per model (None: their defaults).
 CAP_MB: dict[str, float | None] = {BUCKETED: 1.0}
-#: The DDP timed against ours on BUCKETED too: what replicate computes.
+#: BUCKETED with find_unused_parameters=True, on each side.
 UNUSED = "torch, find_unused_parameters=True"
+OURS_UNUSED = "torchcontract, find_unused_parameters=True"
 
 
 def _mlp(model: str) -> nn.Module:
@@ -92,6 +93,9 @@ def _serve(rank: int, world_size: int, port: int) -> int:
     models[f"{UNUSED}/{BUCKETED}"] = DistributedDataParallel(
         _make(BUCKETED), bucket_cap_mb=CAP_MB[BUCKETED], find_unused_parameters=True
     )
+    models[f"{OURS_UNUSED}/{BUCKETED}"] = replicate(
+        _make(BUCKETED), bucket_cap_mb=CAP_MB[BUCKETED], find_unused_parameters=True
+    )
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
 
     def run(command: str) -> None:
@@ -103,7 +107,7 @@ def _serve(rank: int, world_size: int, port: int) -> int:
 @pytest.fixture(scope="module")
 def ranks() -> Iterator[ServingRanks]:
     keys = [f"{name}/{model}" for model in MODELS for name in NAMES]
-    keys.append(f"{UNUSED}/{BUCKETED}")
+    keys.extend((f"{UNUSED}/{BUCKETED}", f"{OURS_UNUSED}/{BUCKETED}"))
     with serving(_serve, keys) as serving_ranks:
         yield serving_ranks
 
@@ -126,16 +130,16 @@ def test_training_step(
     time_steps(benchmark, ranks, key, f"torch/{model}")
 
 
-@pytest.mark.parametrize("name", ["torchcontract", UNUSED])
+@pytest.mark.parametrize("name", [OURS_UNUSED, UNUSED])
 def test_training_step_against_find_unused_parameters(
     benchmark: BenchmarkFixture, ranks: ServingRanks, name: str
 ) -> None:
-    """The bucketed MLP's step against DDP(find_unused_parameters=True), the same semantics."""
+    """The bucketed MLP's step, both sides with ``find_unused_parameters=True``."""
     label(
         benchmark,
         workload=f"training step, {BUCKETED} on 2 gloo ranks, vs find_unused_parameters=True",
-        library="torchcontract" if name == "torchcontract" else "torch",
-        api="replicate" if name == "torchcontract" else "DistributedDataParallel",
+        library="torchcontract" if name == OURS_UNUSED else "torch",
+        api="replicate" if name == OURS_UNUSED else "DistributedDataParallel",
         parameters=sum(p.numel() for p in _make(BUCKETED).parameters()),
         batch=BATCH,
     )

@@ -182,7 +182,7 @@ def _job(rank: int, world_size: int) -> Report:
     raw = _model(0)
     ddp = DistributedDataParallel(raw, gradient_as_bucket_view=True)
     plain = replicate(_model(0))
-    views = {"gradient_as_bucket_view": True, "find_unused_parameters": True}
+    views: dict[str, Any] = {"gradient_as_bucket_view": True, "find_unused_parameters": True}
     unused_views = replicate(_model(0), **views)
     unused_raw = _model(0)
     unused_ddp = DistributedDataParallel(unused_raw, **views)
