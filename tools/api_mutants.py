@@ -53,6 +53,8 @@ COLLECTIVES: Final = "tests/distributed/test_collectives_gloo.py"
 REAL_USE: Final = "tests/distributed/test_replicate_real_use_gloo.py"
 REPLICATE: Final = "tests/distributed/test_replicate_gloo.py"
 REPLICATE_PARITY: Final = "tests/distributed/test_replicate_parity_gloo.py"
+REPLICATE_KEYWORDS: Final = "tests/distributed/test_replicate_keywords_gloo.py"
+HOOK_BUCKETS: Final = "tests/distributed/test_replicate_hook_buckets_gloo.py"
 TESTING: Final = "tests/test_testing.py"
 GUARANTEES: Final = "tests/test_testing_guarantees.py"
 
@@ -158,8 +160,8 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
     Mutant(
         "replicate_rebuilt_buckets_reversed",
         "apis/replicate/_reducer.py",
-        "order = _torch.to_ints(shared)\n",
-        "order = _torch.to_ints(shared)[::-1]\n",
+        "_torch.to_ints(shared), self._limits()",
+        "_torch.to_ints(shared)[::-1], self._limits()",
         (COLLECTIVES,),
         "the rebuilt buckets launch in reverse order",
     ),
@@ -174,10 +176,43 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
     Mutant(
         "replicate_small_bucket_uncapped",
         "apis/replicate/_reducer.py",
-        "min(FIRST_BUCKET_BYTES, self._bucket_bytes) if default_cap",
-        "self._bucket_bytes if default_cap",
-        (COLLECTIVES,),
-        "under the default cap, no bucket is capped at 1 MiB",
+        "        if self._default_cap:\n            return (FIRST_BUCKET_BYTES, self._cap_bytes)\n",
+        "",
+        (HOOK_BUCKETS,),
+        "under the default cap, no bucket is capped at 1 MiB (with a hook too)",
+    ),
+    Mutant(
+        "replicate_given_cap_overridden",
+        "apis/replicate/_reducer.py",
+        "        return (self._cap_bytes,)\n",
+        "        return (max(self._cap_bytes, 4 * FIRST_BUCKET_BYTES),)\n",
+        (HOOK_BUCKETS,),
+        "a bucket_cap_mb given is overridden by a rule of ours",
+    ),
+    Mutant(
+        "replicate_static_graph_rebuilds_early",
+        "apis/replicate/_reducer.py",
+        "self._backwards_before_rebuild = 1 if static_graph else 0",
+        "self._backwards_before_rebuild = 0",
+        (HOOK_BUCKETS,),
+        "static_graph=True rebuilds the buckets one backward early (a hook sees other buckets)",
+    ),
+    Mutant(
+        "replicate_finds_unused_by_default",
+        "apis/replicate/_api.py",
+        "    find_unused_parameters: bool = False,\n",
+        "    find_unused_parameters: bool = True,\n",
+        (REPLICATE_KEYWORDS,),
+        "find_unused_parameters defaults to True, not DDP's False",
+    ),
+    Mutant(
+        "replicate_views_give_unused_zeros",
+        "apis/replicate/_reducer.py",
+        "        for index, view in zip(self._buckets[position], views, strict=False):\n"
+        "            if not used[index]:\n                continue\n",
+        "        for index, view in zip(self._buckets[position], views, strict=False):\n",
+        (REPLICATE_KEYWORDS,),
+        "with gradient_as_bucket_view, a parameter no rank used gets a zero gradient",
     ),
     Mutant(
         "replicate_no_reset_after_failed_backward",

@@ -43,7 +43,7 @@ def _compare_with_ddp(
     model: GPT, reference: GPT, tokens: Tensor, targets: Tensor
 ) -> tuple[Tensor, float]:
     """Backward one batch through ``model`` and a DDP copy; the loss and largest grad gap."""
-    ddp = DistributedDataParallel(reference)
+    ddp = DistributedDataParallel(reference, find_unused_parameters=True)
 
     def backward(module: torch.nn.Module) -> Tensor:
         loss = loss_of(module, tokens, targets)
@@ -91,7 +91,10 @@ def train(rank: int, world_size: int, settings: Settings) -> Outcome:
     reference = copy.deepcopy(model)  # a copy carries no API state: the DDP baseline
     for block in model.blocks:
         checkpoint(block)
-    replicate(model)
+    # Buckets that are never rebuilt: a run resumed from a checkpoint then sums each
+    # gradient in the same order as the uninterrupted one did, so both end on the same bits
+    # on any number of ranks (a rebuild after the first backward would change the order).
+    replicate(model, find_unused_parameters=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate)
     run = train_loop(
         model,
