@@ -31,6 +31,8 @@ __all__ = [
     "concatenate_meshes",
     "fsdp_module_new_runs_init",
     "reduce_scatter_single",
+    "root_mesh",
+    "root_mesh",
 ]
 
 #: ``(major, minor)`` of the running torch.
@@ -110,7 +112,20 @@ def fsdp_module_new_runs_init() -> bool:
 _concatenate: Final = cast(
     Callable[[list[DeviceMesh]], DeviceMesh] | None, getattr(DeviceMesh, "_concatenate", None)
 )
-_root_mesh: Final = cast(Callable[[DeviceMesh], DeviceMesh | None], _mesh_resources.get_root_mesh)
+
+
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced from (itself if it is a root).
+
+    ``DeviceMesh._get_root_mesh`` where this torch has it (its module-level
+    ``_mesh_resources.get_root_mesh`` warns there that it will be deprecated);
+    the latter on releases without the method (2.6).
+    """
+    method = cast(Callable[[], DeviceMesh] | None, getattr(mesh, "_get_root_mesh", None))
+    if method is not None:
+        return method()
+    legacy = cast(Callable[[DeviceMesh], DeviceMesh], _mesh_resources.get_root_mesh)
+    return legacy(mesh)
 
 
 def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
@@ -122,12 +137,10 @@ def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
     if _concatenate is not None:
         return _concatenate(meshes)
     names = [name for mesh in meshes for name in (mesh.mesh_dim_names or ())]
-    roots = {id(_root_mesh(mesh)) for mesh in meshes}
+    roots = {id(root_mesh(mesh)) for mesh in meshes}
     if len(roots) != 1 or len(names) != sum(mesh.ndim for mesh in meshes):
         raise ValueError("the meshes are not named slices of one device mesh")
-    root = _root_mesh(meshes[0])
-    assert root is not None  # every mesh has a root, itself at least
-    return root[tuple(names)]
+    return root_mesh(meshes[0])[tuple(names)]
 
 
 #: torch's ``DataParallelMeshDims`` (``fully_shard``'s ``dp_mesh_dims``), or None where this
