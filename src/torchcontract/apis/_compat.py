@@ -32,7 +32,6 @@ __all__ = [
     "fsdp_module_new_runs_init",
     "reduce_scatter_single",
     "root_mesh",
-    "root_mesh",
 ]
 
 #: ``(major, minor)`` of the running torch.
