@@ -34,11 +34,14 @@ def all_gather_objects(value: object, group: dist.ProcessGroup | None = None) ->
     payload = pickle.dumps(value)
     sizes = torch.empty(group.size(), dtype=torch.int64)
     _torch.all_gather_into(sizes, torch.tensor([len(payload)], dtype=torch.int64), group)
-    lengths: list[int] = sizes.tolist()
+    lengths = _torch.to_ints(sizes)
     longest = max(lengths)
     mine = torch.zeros(longest, dtype=torch.uint8)
     mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     every = torch.empty(longest * group.size(), dtype=torch.uint8)
     _torch.all_gather_into(every, mine, group)
-    rows: list[list[int]] = every.view(group.size(), longest).tolist()
-    return [pickle.loads(bytes(row[:length])) for row, length in zip(rows, lengths, strict=True)]
+    flat = _torch.to_ints(every)
+    return [
+        pickle.loads(bytes(flat[rank * longest : rank * longest + length]))
+        for rank, length in enumerate(lengths)
+    ]
