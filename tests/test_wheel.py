@@ -61,16 +61,16 @@ USER_FILE = textwrap.dedent(
 )
 
 
-def _run(*command: str | Path, cwd: Path, returncode: int = 0) -> str:
+def _run(*command: str | Path, cwd: Path) -> str:
     # Without PYTHONPATH: the fresh environment must not see this checkout's sources.
     env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
     done = run_command(
         command, timeout=240, cwd=cwd, env={**env, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     )
-    assert done.returncode == returncode, (
+    assert done.returncode == 0, (
         f"{command[:3]} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     )
-    return done.stdout + done.stderr if returncode else done.stdout
+    return done.stdout
 
 
 @pytest.mark.timeout(600)
@@ -136,14 +136,6 @@ def test_built_wheel_runs_the_tour_and_type_checks_in_a_fresh_environment(
     assert printed.count("final: step 1 loss") == 4  # 2 ranks, 2 phases
     assert "gradients matched DistributedDataParallel's on the first step: yes" in printed
     assert "first-step losses matched PyTorch's fully_shard: yes" in printed
-    if not declares_numpy:
-        # torch.distributed.checkpoint needs numpy: the demo says so before starting ranks.
-        refused = _run(
-            python, "-m", "torchcontract.demo", "--checkpoint-dir", "saved", cwd=work, returncode=2
-        )
-        assert "--checkpoint-dir saves with torch.distributed.checkpoint" in refused
-        assert "pip install numpy" in refused
-        assert not (work / "saved").exists()
     _run(python, "-m", "pip", "install", "-q", f"mypy=={mypy_version}", cwd=tmp_path)
     (work / "user.py").write_text(USER_FILE)
     _run(python, "-m", "mypy", "--strict", "user.py", cwd=work)

@@ -8,6 +8,7 @@ does not touch the numbers.
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 from commands import run_command
 
-from torchcontract.demo import Settings, ShardedOutcome, train_sharded
+from torchcontract.demo import Settings, ShardedOutcome, main, train_sharded
 from torchcontract.testing import run_distributed
 
 STEPS = 4
@@ -145,4 +146,25 @@ def test_misused_options_are_refused_before_anything_starts(
     done = run_command(command, timeout=60, cwd=tmp_path)
     assert done.returncode == 2
     assert message in done.stderr
+    assert not (tmp_path / "unused").exists()
+
+
+def test_checkpoint_dir_is_refused_without_numpy_before_anything_starts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # torch.distributed.checkpoint reads what the ranks exchange through numpy, which
+    # torch does not install.
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *rest: None if name == "numpy" else find_spec(name, *rest),
+    )
+    with pytest.raises(SystemExit) as exited:
+        main(["--checkpoint-dir", str(tmp_path / "unused")])
+    assert exited.value.code == 2
+    assert (
+        "--checkpoint-dir saves with torch.distributed.checkpoint, which needs numpy (torch does "
+        "not install it): pip install numpy"
+    ) in capsys.readouterr().err
     assert not (tmp_path / "unused").exists()
