@@ -67,10 +67,6 @@ def test_the_pages_that_show_code_are_run() -> None:
     } <= names
 
 
-#: Where the README's links point: absolute, so they work where PyPI renders the README.
-REPOSITORY = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
-
-
 def _readme_links() -> list[str]:
     """Every link target of the README, inline (``](...)``) or as a reference (``[x]: ...``)."""
     text = (ROOT / "README.md").read_text()
@@ -79,15 +75,20 @@ def _readme_links() -> list[str]:
     return inline + defined
 
 
-def test_the_readme_links_into_the_site_with_absolute_links() -> None:
+def test_the_readme_links_name_files_of_this_checkout() -> None:
+    # Relative: the project has no public address to link to.
     links = _readme_links()
-    assert [link for link in links if not link.startswith("https://")] == []
-    prefix = f"{REPOSITORY}/blob/main/"
-    files = [link.removeprefix(prefix).split("#")[0] for link in links if link.startswith(prefix)]
+    assert [link for link in links if "://" in link or link.startswith("/")] == []
+    files = [link.split("#")[0] for link in links]
     assert "docs/getting-started.md" in files
     assert "docs/reference/torchcontract.md" in files
     assert "LICENSE" in files
     assert [name for name in files if not (ROOT / name).is_file()] == []
+
+
+def test_the_package_metadata_names_no_project_address() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "urls" not in project
 
 
 #: Files commands write for the pages to include: figures there are generated.

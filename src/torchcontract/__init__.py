@@ -50,8 +50,9 @@ from ._store import StateStore
 from ._transaction import on_rollback
 from ._tree import named_tree, root_modules
 
-#: The release, in one place: the packaging metadata reads it from here.
-__version__: Final = "0.1.0"
+#: The version, in one place: the packaging metadata reads it from here, and the
+#: changelog's newest section names it (a ``.devN`` version while that section is unreleased).
+__version__: Final = "0.2.0.dev0"
 
 __all__ = [
     "AlreadyAppliedError",

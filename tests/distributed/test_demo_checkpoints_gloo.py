@@ -1,12 +1,14 @@
 """The demo's checkpoints on two gloo ranks: complete or absent, and a resume changes nothing.
 
 A save cut short leaves a ``.partial`` directory and no metadata: the next run
-resumes from the checkpoint before it, removes the remains, and ends with the
-uninterrupted run's final line. Checkpointing itself does not touch the numbers.
+resumes from the checkpoint before it, removes the remains (even those of a step it
+does not reach), and ends with the uninterrupted run's final line. Checkpointing itself
+does not touch the numbers.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import sys
 from pathlib import Path
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 from commands import run_command
 
-from torchcontract.demo import Settings, ShardedOutcome, train_sharded
+from torchcontract.demo import Settings, ShardedOutcome, main, train_sharded
 from torchcontract.testing import run_distributed
 
 STEPS = 4
@@ -74,6 +76,27 @@ def test_a_save_cut_short_is_ignored_and_the_previous_checkpoint_resumed(
     assert sorted(path.name for path in phase.iterdir()) == ["step-000002", "step-000004"]
 
 
+def test_a_rerun_that_stops_before_a_cut_save_still_removes_its_remains(
+    uninterrupted: tuple[Path, list[ShardedOutcome]], tmp_path: Path
+) -> None:
+    source, outcomes = uninterrupted
+    shutil.copytree(source, tmp_path, dirs_exist_ok=True)
+    phase = tmp_path / "fully_shard"
+    # A save of step 6 cut short, by a run of more steps than this rerun's.
+    cut = phase / "step-000006.partial"
+    shutil.copytree(phase / "step-000004", cut)
+    (cut / ".metadata").unlink()
+    resumed = _train(tmp_path)
+    assert [outcome.resumed_from for outcome in resumed] == [STEPS, STEPS]
+    assert [outcome.final_line for outcome in resumed] == [
+        outcome.final_line for outcome in outcomes
+    ]
+    assert sorted(path.name for path in phase.iterdir()) == ["step-000002", "step-000004"]
+    for name in ("step-000002", "step-000004"):
+        written = {path.name for path in (phase / name).iterdir()}
+        assert written == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+
+
 def test_a_checkpoint_of_another_world_size_is_refused(
     uninterrupted: tuple[Path, list[ShardedOutcome]], tmp_path: Path
 ) -> None:
@@ -123,4 +146,25 @@ def test_misused_options_are_refused_before_anything_starts(
     done = run_command(command, timeout=60, cwd=tmp_path)
     assert done.returncode == 2
     assert message in done.stderr
+    assert not (tmp_path / "unused").exists()
+
+
+def test_checkpoint_dir_is_refused_without_numpy_before_anything_starts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # torch.distributed.checkpoint reads what the ranks exchange through numpy, which
+    # torch does not install.
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *rest: None if name == "numpy" else find_spec(name, *rest),
+    )
+    with pytest.raises(SystemExit) as exited:
+        main(["--checkpoint-dir", str(tmp_path / "unused")])
+    assert exited.value.code == 2
+    assert (
+        "--checkpoint-dir saves with torch.distributed.checkpoint, which needs numpy (torch does "
+        "not install it): pip install numpy"
+    ) in capsys.readouterr().err
     assert not (tmp_path / "unused").exists()

@@ -4,6 +4,9 @@ Every parameter is distributed on the whole mesh (``Replicate()`` on ``dp``, spl
 on ``tp``) and the inputs are DTensors sharded on ``dp``; ``fully_shard`` with
 ``dp_mesh_dims=DataParallelMeshDims(shard="dp")``, ours and FSDP2's side by side:
 placements and bytes, losses and parameters after AdamW steps, and a DCP round trip.
+The same job runs HSDP through ``dp_mesh_dims=DataParallelMeshDims(shard=...,
+replicate=...)`` on a mesh whose dims come in the other order, ``(shard, replicate)``:
+the data-parallel mesh must still be ``(replicate, shard)``, as FSDP2 builds it.
 """
 
 from __future__ import annotations
@@ -45,19 +48,25 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _model(torch_api: bool, mesh: DeviceMesh, flat: bool = False) -> nn.Module:
-    """The MLP stack on ``mesh``: split on ``tp``, or with ``flat`` replicated on both dims."""
+def _model(torch_api: bool, mesh: DeviceMesh, flat: bool = False, hsdp: bool = False) -> nn.Module:
+    """The MLP stack on ``mesh``: split on ``tp``, or (``flat``, ``hsdp``) replicated on both dims.
+
+    ``hsdp``: on a ``(shard, replicate)`` mesh, sharded over one dim, replicated over the other.
+    """
     from torch.distributed.fsdp import DataParallelMeshDims
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     shard: Any = torch_fully_shard if torch_api else fully_shard
-    dims = DataParallelMeshDims(shard=("dp", "tp") if flat else "dp")
+    if hsdp:
+        dims = DataParallelMeshDims(shard="shard", replicate="replicate")
+    else:
+        dims = DataParallelMeshDims(shard=("dp", "tp") if flat else "dp")
     model = mlp_stack(FEATURES, HIDDEN)
     for block in model:
         for name, placement in ON_TP.items():
             owner, attribute = name.split(".")
             tensor = block.get_submodule(owner).get_parameter(attribute).detach()
-            second = Replicate() if flat else placement
+            second = Replicate() if flat or hsdp else placement
             distributed = distribute_tensor(tensor, mesh, [Replicate(), second])
             setattr(block.get_submodule(owner), attribute, nn.Parameter(distributed))
         shard(block, mesh=mesh, dp_mesh_dims=dims)
@@ -83,8 +92,18 @@ def _flattened(mesh: DeviceMesh) -> Results:
     return results
 
 
-def _train(models: Sequence[nn.Module], mesh: DeviceMesh) -> Results:
-    """Placements, local shapes, AdamW steps on inputs sharded on ``dp``: both models."""
+def _hsdp() -> Results:
+    """HSDP through ``dp_mesh_dims`` on a 2 x 2 mesh named ``(shard, replicate)``."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate"))
+    models = [_model(False, mesh, hsdp=True), _model(True, mesh, hsdp=True)]
+    return _train(models, mesh, hsdp=True)
+
+
+def _train(models: Sequence[nn.Module], mesh: DeviceMesh, hsdp: bool = False) -> Results:
+    """Placements, local shapes, AdamW steps on inputs sharded on ``dp``: both models.
+
+    With ``hsdp`` both mesh dims are data parallel: each rank has a batch of its own.
+    """
     results: Results = {
         "layout": [
             [(str(p.placements), tuple(p.to_local().shape)) for p in _dtensors(model)]
@@ -94,8 +113,11 @@ def _train(models: Sequence[nn.Module], mesh: DeviceMesh) -> Results:
     }
     optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in models]
     for step in range(STEPS):
-        local = mlp_batch(mesh.get_local_rank("dp"), step, FEATURES)
-        x = DTensor.from_local(local, mesh, [Shard(0), Replicate()])
+        if hsdp:
+            x = DTensor.from_local(mlp_batch(mesh.get_rank(), step, FEATURES), mesh, [Shard(0)] * 2)
+        else:
+            local = mlp_batch(mesh.get_local_rank("dp"), step, FEATURES)
+            x = DTensor.from_local(local, mesh, [Shard(0), Replicate()])
         losses = [_loss(model, x) for model in models]
         for loss in losses:
             torch.autograd.backward(loss)
@@ -130,6 +152,7 @@ def _job(rank: int, world_size: int, directory: str) -> Results:
     set_model_state_dict(ours, state)
     results["dcp_gap"] = largest_gap(full_parameters(ours), saved)
     results["flattened"] = _flattened(mesh)
+    results["hsdp"] = _hsdp()
     return results
 
 
@@ -172,3 +195,15 @@ def test_dp_mesh_dims_flattens_several_shard_dims_as_torch_fully_shard(
         assert flattened["meshes"][0] == flattened["meshes"][1]
         assert all(abs(a - b) <= TOLERANCE for a, b in flattened["losses"])
         assert flattened["parameter_gap"] <= TOLERANCE
+
+
+def test_dp_mesh_dims_hsdp_on_a_mesh_in_the_other_order_trains_as_torch_fully_shard(
+    ranks: list[Results],
+) -> None:
+    for results in ranks:
+        hsdp = results["hsdp"]
+        mine, theirs = hsdp["layout"]
+        assert mine == theirs
+        assert {placements for placements, _ in mine} == {"(Shard(dim=0), Replicate())"}
+        assert all(abs(a - b) <= TOLERANCE for a, b in hsdp["losses"])
+        assert hsdp["parameter_gap"] <= TOLERANCE

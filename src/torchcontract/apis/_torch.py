@@ -24,8 +24,6 @@ __all__ = [
     "accelerator_type",
     "all_gather_into",
     "all_gather_into_async",
-    "all_gather_objects",
-    "all_gather_objects_over",
     "all_reduce",
     "all_reduce_blocking",
     "all_reduce_max",
@@ -162,16 +160,6 @@ def all_reduce_blocking(tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.Reduc
     _all_reduce(tensor, op=op)
 
 
-_all_gather_object: Final = cast(Callable[[list[object], object], None], dist.all_gather_object)
-
-
-def all_gather_objects(value: object) -> list[object]:
-    """Every rank's ``value`` (picklable), by rank, over the default group."""
-    gathered: list[object] = [None] * dist.get_world_size()
-    _all_gather_object(gathered, value)
-    return gathered
-
-
 _barrier: Final = cast(Callable[[], object], dist.barrier)
 
 
@@ -303,13 +291,3 @@ def register_load_state_dict_post_hook(
     """Call ``hook(module, incompatible_keys)`` after ``load_state_dict`` wrote ``module``."""
     register = cast(_RegisterHook, module.register_load_state_dict_post_hook)
     return register(hook)
-
-
-_all_gather_object_over: Final = cast(Callable[..., None], dist.all_gather_object)
-
-
-def all_gather_objects_over(value: object, group: dist.ProcessGroup) -> list[object]:
-    """Every rank's ``value`` (picklable), by rank of ``group``; a collective over ``group``."""
-    gathered: list[object] = [None] * group.size()
-    _all_gather_object_over(gathered, value, group=group)
-    return gathered

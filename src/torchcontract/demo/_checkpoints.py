@@ -27,7 +27,8 @@ from torch import nn
 from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from torchcontract.apis._torch import all_gather_objects, barrier
+from torchcontract.apis._objects import all_gather_objects
+from torchcontract.apis._torch import barrier
 
 __all__ = ["Checkpoints", "Progress"]
 

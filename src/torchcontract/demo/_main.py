@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -84,6 +85,13 @@ def _settings(argv: Sequence[str] | None) -> tuple[Settings, int]:
     pause: int | None = arguments.pause_after_checkpoint
     if pause is not None and arguments.checkpoint_dir is None:
         parser.error("--pause-after-checkpoint needs --checkpoint-dir: without it nothing is saved")
+    if arguments.checkpoint_dir is not None and importlib.util.find_spec("numpy") is None:
+        # torch.distributed.checkpoint reads the objects the ranks exchange through
+        # Tensor.numpy(), and torch does not install numpy.
+        parser.error(
+            "--checkpoint-dir saves with torch.distributed.checkpoint, which needs numpy "
+            "(torch does not install it): pip install numpy"
+        )
     every: int = arguments.checkpoint_every
     if pause is not None and pause % every and pause != arguments.steps:
         parser.error(

@@ -15,7 +15,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from torchcontract import describe, registry
 from torchcontract.apis import checkpoint, replicate
-from torchcontract.apis._torch import all_gather_objects, all_reduce_blocking, manual_seed
+from torchcontract.apis._objects import all_gather_objects
+from torchcontract.apis._torch import all_reduce_blocking, manual_seed
 
 from ._loop import Settings, comparison_line, loss_of, same_randomness, train_loop
 from ._model import GPT

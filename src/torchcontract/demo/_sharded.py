@@ -17,7 +17,8 @@ from torch.distributed.tensor import DTensor
 from torchcontract import describe
 from torchcontract.apis import fully_shard
 from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
-from torchcontract.apis._torch import all_gather_objects, all_reduce_blocking, manual_seed
+from torchcontract.apis._objects import all_gather_objects
+from torchcontract.apis._torch import all_reduce_blocking, manual_seed
 
 from ._loop import Settings, comparison_line, loss_of, same_randomness, train_loop
 from ._model import GPT

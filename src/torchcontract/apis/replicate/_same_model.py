@@ -24,7 +24,7 @@ from torch import nn
 
 from torchcontract import ContractError, module_label
 
-from .. import _torch
+from .. import _objects, _torch
 
 __all__ = ["ModelMismatchError", "check_same_model"]
 
@@ -69,7 +69,7 @@ def check_same_model(module: nn.Module, group: dist.ProcessGroup) -> None:
         return
     # Each rank sent the list _summarize() made.
     summaries = [
-        cast("list[_Entry]", summary) for summary in _torch.all_gather_objects_over(entries, group)
+        cast("list[_Entry]", summary) for summary in _objects.all_gather_objects(entries, group)
     ]
     raise ModelMismatchError(_describe_difference(module, group, summaries))
 
