@@ -156,6 +156,14 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         (FS_PARITY,),
         "load_state_dict(assign=True) does not adopt the new shards",
     ),
+    Mutant(
+        "fully_shard_dp_mesh_dims_order",
+        "apis/fully_shard/_spmd.py",
+        "concatenate_meshes([_flat(mesh, replicate), shard_mesh])",
+        "concatenate_meshes([shard_mesh, _flat(mesh, replicate)])",
+        ("tests/distributed/test_fully_shard_spmd_gloo.py",),
+        "dp_mesh_dims(shard=..., replicate=...) builds the HSDP mesh in the wrong order",
+    ),
     # ----------------------------------------------------------------- replicate
     Mutant(
         "replicate_rebuilt_buckets_reversed",
@@ -233,8 +241,8 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
     Mutant(
         "replicate_rank_local_broadcasts",
         "apis/replicate/_reducer.py",
-        "        if record.rank_local:\n            return\n        # Under Join",
-        "        # Under Join",
+        "        if record.rank_local:\n            return\n        if self._unfinished",
+        "        if self._unfinished",
         (COLLECTIVES,),
         "a rank-local forward broadcasts buffers (and hangs when the other rank waits)",
     ),
@@ -262,6 +270,15 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         "scale = 1.0",
         (REPLICATE_PARITY,),
         "gradients summed over ranks instead of averaged",
+    ),
+    # ----------------------------------------------------------------- the demo
+    Mutant(
+        "demo_keeps_partial_checkpoints",
+        "demo/_checkpoints.py",
+        "                shutil.rmtree(partial)\n",
+        "                pass\n",
+        ("tests/distributed/test_demo_checkpoints_gloo.py",),
+        "a rerun leaves the .partial directory of a save cut short",
     ),
     # ----------------------------------------------------------------- checkpoint
     Mutant(
