@@ -27,10 +27,16 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils import _pytree as pytree
 
-from torchcontract import IncompatibleAPIError, module_label, named_tree, torch_registry
+from torchcontract import (
+    AlreadyManagedError,
+    IncompatibleAPIError,
+    module_label,
+    named_tree,
+    torch_registry,
+)
 
 from .. import _torch
-from ._group import ALL_GROUPS, ParamGroup, Phase, Root
+from ._group import ALL_GROUPS, ParamGroup, Phase, Root, root_names
 from ._state import FullyShardState
 
 __all__ = ["ForwardHooks", "in_backward"]
@@ -86,8 +92,9 @@ class ForwardHooks:
         if group.is_root and root is not None:
             root.start_iteration()
             if not root.materialized:  # every group, before any of the model's compute
-                for member in root.groups:
-                    member.check_materialized()
+                for member in root.groups:  # FSDP2's lazy init of each group, in its order
+                    member.adopt_replaced()
+                    member.check_materialized(module)
                 root.materialized = True
         group.phase = Phase.FORWARD
         group.unshard()
@@ -160,6 +167,7 @@ def _become_root(group: ParamGroup) -> None:
                 seen.add(id(other))
                 found.append(other)
     _check_no_torch_api(group)
+    _check_shared(group, found)
     root = Root(found)
     for member in found:
         member.root = root
@@ -182,6 +190,33 @@ def _check_no_torch_api(group: ParamGroup) -> None:
                         f"{fqn!r} inside {module_label(top)} (found at the first forward); "
                         "apply only one of them to this part of the model"
                     )
+
+
+def _check_shared(group: ParamGroup, found: list[ParamGroup]) -> None:
+    """Refuse a parameter two applications under the root shard (FSDP2's duplicate check).
+
+    Apply shards a parameter shared with another application's modules again, as
+    FSDP2 does; both are one user parameter, of one origin. As FSDP2, the root's
+    first forward refuses them with ``AlreadyManagedError`` (a ``ValueError``),
+    naming the second by its FQN in the root.
+    """
+    seen: set[int] = set()
+    for member in found:
+        for parameter in member.parameters:
+            if parameter.origin not in seen:
+                seen.add(parameter.origin)
+                continue
+            modules = group.modules()
+            names = root_names(modules[0]) if modules else {}
+            fqn = ParamGroup.root_fqn(parameter, names)
+            raise AlreadyManagedError(
+                f"fully_shard on {module_label(modules[0]) if modules else 'a freed module'}: "
+                f"parameter {fqn!r} is sharded by two applications of fully_shard, where the "
+                f"modules sharing it are split between them (found at the first forward); "
+                f"Parameter '{fqn}' is shared with a parameter already managed by another FSDP "
+                "group. For shared/tied parameters, use fully_shard([module_a, module_b]) to "
+                "place them in the same FSDP group."
+            )
 
 
 class _PostBackward(torch.autograd.Function):
