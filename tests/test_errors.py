@@ -20,12 +20,16 @@ from torchcontract import (
     InvalidMeshError,
     InvalidRecordError,
     InvalidResultError,
+    InvalidShardDimError,
     InvalidStateClassError,
     InvalidTargetError,
     NotAppliedError,
+    ReplacedParameterError,
     RulePredicateError,
+    ScalarParameterError,
     UnknownTorchAPIError,
     UnmaterializedParameterError,
+    UnnamedMeshError,
     contract,
 )
 
@@ -35,7 +39,7 @@ from torchcontract import (
     [
         (ContractError, (RuntimeError,)),
         (AlreadyAppliedError, (ContractError,)),
-        (AlreadyManagedError, (ContractError,)),
+        (AlreadyManagedError, (ContractError, ValueError)),
         (InvalidMeshError, (ContractError, ValueError)),
         (NotAppliedError, (ContractError, LookupError)),
         (FQNChangedError, (ContractError,)),
@@ -49,6 +53,10 @@ from torchcontract import (
         (RulePredicateError, (ContractError,)),
         (UnknownTorchAPIError, (ValueError,)),
         (UnmaterializedParameterError, (ContractError,)),
+        (UnnamedMeshError, (InvalidMeshError, AssertionError)),
+        (ScalarParameterError, (ContractError, ValueError)),
+        (InvalidShardDimError, (ValueError, AssertionError)),
+        (ReplacedParameterError, (ContractError, AttributeError)),
     ],
 )
 def test_error_has_its_documented_bases(error: type[Exception], bases: tuple[type, ...]) -> None:
@@ -69,12 +77,16 @@ def test_every_error_is_exported() -> None:
             "InvalidMeshError",
             "InvalidRecordError",
             "InvalidResultError",
+            "InvalidShardDimError",
             "InvalidStateClassError",
             "InvalidTargetError",
             "NotAppliedError",
+            "ReplacedParameterError",
             "RulePredicateError",
+            "ScalarParameterError",
             "UnknownTorchAPIError",
             "UnmaterializedParameterError",
+            "UnnamedMeshError",
         ]
     )
 
