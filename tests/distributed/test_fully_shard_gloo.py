@@ -760,8 +760,8 @@ def test_bad_input_is_refused_naming_the_module_and_changing_nothing(
             "AlreadyManagedError: fully_shard on GPT: parameter 'head.weight' is sharded by two "
             "applications of fully_shard"
         )
-        assert "Parameter 'head.weight' is shared with a parameter already managed" in (
-            found["tied"]
+        assert (
+            "Parameter 'head.weight' is shared with a parameter already managed" in (found["tied"])
         )
         assert found["scalar"].startswith(
             "ScalarParameterError: fully_shard on GPT: parameter 'blocks.1.scale' is a scalar"

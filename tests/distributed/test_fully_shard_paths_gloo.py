@@ -420,8 +420,9 @@ def test_unshard_of_a_meta_group_names_its_module(ranks: list[Results]) -> None:
             "UnmaterializedParameterError: fully_shard on Block 'blocks.1' of GPT: 12 "
             "parameter(s) still on the meta device"
         )
-        assert "still on meta device: ['norm1.weight', 'norm1.bias', 'qkv.weight'," in (
-            found["unshard_error"]
+        assert (
+            "still on meta device: ['norm1.weight', 'norm1.bias', 'qkv.weight',"
+            in (found["unshard_error"])
         )
 
 

@@ -200,7 +200,8 @@ class ParamGroup:
         if not any(parameter.is_meta for parameter in self.parameters):
             return
         names = None if root is None else root_names(root)
-        on_meta = [self.root_fqn(p, names) for p in self.parameters if p.is_meta]
+        ordered = _in_fsdp2_order(self.modules(), self.parameters)
+        on_meta = [self.root_fqn(p, names) for p in ordered if p.is_meta]
         modules = self.modules()
         where = module_label(modules[0]) if modules else "a freed module"
         raise UnmaterializedParameterError(
@@ -400,6 +401,37 @@ class ParamGroup:
                 force_sum=record.force_sum_reduction,
             )
             self.reduced = True
+
+
+def _in_fsdp2_order(
+    targets: Sequence[nn.Module], parameters: Sequence[ManagedParameter]
+) -> list[ManagedParameter]:
+    """``parameters`` in FSDP2's order: by module, children before their parent, as listed.
+
+    FSDP2 collects a group's modules depth first, appending each after its children
+    (``_get_managed_modules``); its messages list parameters in that order.
+    """
+    position: dict[int, int] = {}
+
+    def visit(module: nn.Module) -> None:
+        position[id(module)] = -1  # visited
+        for child in module._modules.values():
+            if child is not None and id(child) not in position:
+                visit(child)
+        position[id(module)] = len(position)
+
+    for target in targets:
+        if id(target) not in position:
+            visit(target)
+
+    def key(parameter: ManagedParameter) -> tuple[int, int]:
+        module_ref, name = parameter.locations[0]
+        module = module_ref()
+        if module is None:
+            return (len(position), 0)
+        return (position.get(id(module), len(position)), list(module._parameters).index(name))
+
+    return sorted(parameters, key=key)
 
 
 def _on_stream(
