@@ -435,7 +435,7 @@ def _in_fsdp2_order(
 
 
 def _on_stream(
-    hook: Callable[[Tensor], None] | None, stream: torch.Stream | None
+    hook: Callable[[Tensor], None] | None, stream: object | None
 ) -> Callable[[Tensor], None] | None:
     """``hook``, run in ``stream``'s device module's ``stream`` context if one was given."""
     if hook is None or stream is None:

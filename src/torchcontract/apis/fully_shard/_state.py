@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import attrs
-import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
@@ -56,4 +55,4 @@ class FullyShardState:
     reduce_scatter_unused_params: bool = False
     is_last_backward: bool = True
     all_reduce_hook: Callable[[Tensor], None] | None = None
-    all_reduce_hook_stream: torch.Stream | None = None
+    all_reduce_hook_stream: object | None = None  # FSDP2's: a CUDA stream (any device's here)
