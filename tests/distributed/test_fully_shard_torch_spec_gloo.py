@@ -1,0 +1,309 @@
+"""fully_shard where PyTorch's own FSDP2 tests check FSDP2, side by side on 2 gloo ranks.
+
+The multi-rank behaviours of ``test/distributed/_composable/fsdp/test_fully_shard_init.py``
+and ``test_fully_shard_training.py`` that run on CPU: uneven shards (a rank with
+no rows), a parameter computed from shards and assigned before the first forward,
+``shard_placement_fn`` on the largest dim and on ``-1``, meta-device init of odd
+sizes, and a mesh made from a process group. Each scenario runs PyTorch's
+``fully_shard`` and ours on the same values; one job runs them all (starting ranks
+is the slow part) and returns what each rank saw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from fully_shard_models import full_gradients, full_parameters, largest_gap
+from fully_shard_models import needs_reference_fully_shard as needs_reference
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from torchcontract.apis import fully_shard
+from torchcontract.testing import run_distributed
+
+pytestmark = needs_reference
+
+Apply = Callable[..., Any]
+Results = dict[str, Any]
+APPLIES: dict[str, Apply] = {"torch": torch_fully_shard, "ours": fully_shard}
+
+
+class MLP(nn.Module):
+    """The MLP of PyTorch's FSDP tests: ``dim -> dim * multiplier -> dim``."""
+
+    def __init__(self, dim: int, multiplier: int = 4, bias: bool = True) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(dim, dim * multiplier, bias=bias)
+        self.out_proj = nn.Linear(dim * multiplier, dim, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.out_proj(torch.relu(self.in_proj(x)))
+        return out
+
+
+def _load(model: nn.Module, full: dict[str, Tensor]) -> None:
+    """Fill every sharded parameter with this rank's part of ``full`` (after ``to_empty``)."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            assert isinstance(parameter, DTensor)
+            part = distribute_tensor(full[name], parameter.device_mesh, parameter.placements)
+            parameter.to_local().copy_(part.to_local())
+
+
+def _largest_dim(parameter: nn.Parameter) -> Shard:
+    return Shard(max(range(parameter.dim()), key=lambda dim: (parameter.shape[dim], -dim)))
+
+
+# ----------------------------------------------------------------- scenarios
+
+
+def _uneven_largest_dim(mesh: DeviceMesh) -> Results:
+    """``Linear(16, 17)``'s weight on dim 1 (17 over 2 ranks): both refuse at apply."""
+    errors: dict[str, Exception] = {}
+    for name, apply in APPLIES.items():
+        model = nn.Sequential(nn.Linear(16, 17), nn.Linear(17, 8))
+        try:
+            apply(model, mesh=mesh, shard_placement_fn=_largest_dim)
+        except Exception as error:
+            errors[name] = error
+    ours, theirs = errors["ours"], errors["torch"]
+    return {
+        "ours": f"{type(ours).__name__}: {ours}",
+        "same_type": isinstance(ours, type(theirs)),
+        "holds_theirs": str(theirs) in str(ours),
+    }
+
+
+class WeightNorm(nn.Module):
+    """FSDP2's ``test_reset_sharded_param_in_lazy_init`` model: a parameter made from shards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer1 = nn.Linear(3, 3, bias=False)
+        self.layer2 = nn.Linear(3, 3, bias=False)
+        self.weight_norm = nn.Parameter(torch.empty(3))
+
+    def init_weight_norm(self) -> None:
+        with torch.no_grad():
+            norm = torch.linalg.norm(self.layer1.weight, dim=1)
+            norm = norm + torch.linalg.norm(self.layer2.weight, dim=1)
+        self.weight_norm = nn.Parameter(norm)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layer2(self.layer1(x)).sum() + self.weight_norm.sum()
+
+
+def _assigned_from_shards(mesh: DeviceMesh) -> Results:
+    """Built on meta, the layers materialized, ``weight_norm`` assigned from their shards."""
+    torch.manual_seed(0)
+    full = {f"layer{index}.weight": torch.randn(3, 3) for index in (1, 2)}
+    found: Results = {}
+    models: dict[str, WeightNorm] = {}
+    for name, apply in APPLIES.items():
+        with torch.device("meta"):
+            model = WeightNorm()
+        for module in (model.layer1, model.layer2, model):
+            apply(module, mesh=mesh)
+        model.layer1.to_empty(device="cpu")
+        model.layer2.to_empty(device="cpu")
+        _load(model.layer1, {"weight": full["layer1.weight"]})
+        _load(model.layer2, {"weight": full["layer2.weight"]})
+        model.init_weight_norm()
+        loss = model(torch.ones(2, 3))
+        loss.backward()
+        found[f"{name}_loss"] = loss.item()
+        found[f"{name}_local"] = tuple(model.weight_norm.to_local().shape)
+        models[name] = model
+    found["gradient_gap"] = largest_gap(
+        full_gradients(models["ours"]), full_gradients(models["torch"])
+    )
+    found["parameter_gap"] = largest_gap(
+        full_parameters(models["ours"]), full_parameters(models["torch"])
+    )
+    return found
+
+
+def _sharded_tensors(rank: int, mesh: DeviceMesh) -> Results:
+    """Odd sizes, and a shared in-projection: the shards are ``torch.chunk``'s, as FSDP2's."""
+    found: Results = {}
+    for shared in (False, True):
+        locals_: dict[str, list[Tensor]] = {}
+        for name, apply in APPLIES.items():
+            torch.manual_seed(0)
+            model = nn.Sequential(*[MLP(3, multiplier=3) for _ in range(3)])
+            if shared:
+                model[0].in_proj = model[1].in_proj
+            originals = [parameter.detach().clone() for parameter in model.parameters()]
+            apply(model, mesh=mesh)
+            sharded = list(model.parameters())
+            assert len(sharded) == len(originals)
+            for original, parameter in zip(originals, sharded, strict=True):
+                assert isinstance(parameter, DTensor)
+                assert parameter.placements == (Shard(0),)
+                assert parameter.shape == original.shape
+                assert parameter.stride() == original.stride()
+                assert torch.equal(parameter.to_local(), torch.chunk(original, 2)[rank])
+            locals_[name] = [parameter.to_local() for parameter in sharded]
+        found[f"shared={shared}"] = all(
+            torch.equal(a, b) for a, b in zip(locals_["ours"], locals_["torch"], strict=True)
+        )
+    return found
+
+
+def _train_steps(model: nn.Module, rank: int, dim: int) -> list[float]:
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(1 + rank)
+    losses = []
+    for _ in range(3):
+        loss = model(torch.randn(4, dim)).sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _placement_fn_parity(rank: int, mesh: DeviceMesh) -> Results:
+    """Largest dim (even) and ``Shard(-1)``: placements, full values and training as FSDP2's."""
+    found: Results = {}
+    functions: dict[str, Callable[[nn.Parameter], Shard]] = {
+        "largest": _largest_dim,
+        "last": lambda parameter: Shard(-1),
+    }
+    for label, function in functions.items():
+        for name, apply in APPLIES.items():
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8))
+            reference = {key: value.detach().clone() for key, value in model.state_dict().items()}
+            apply(model, mesh=mesh, shard_placement_fn=function)
+            found[f"{label}_{name}_placements"] = [
+                tuple(parameter.placements) for parameter in model.parameters()
+            ]
+            found[f"{label}_{name}_full_gap"] = largest_gap(full_parameters(model), reference)
+            found[f"{label}_{name}_losses"] = _train_steps(model, rank, 32)
+    return found
+
+
+def _meta_init(rank: int, mesh: DeviceMesh) -> Results:
+    """FSDP2's ``test_meta_device_1d_init``: even (8), uneven (3) and an empty shard (1)."""
+    found: Results = {}
+    for dim in (8, 3, 1):
+        torch.manual_seed(0)
+        full = nn.Sequential(MLP(dim, multiplier=1, bias=False), MLP(dim, multiplier=1, bias=False))
+        values = {name: value.detach().clone() for name, value in full.named_parameters()}
+        for name, apply in APPLIES.items():
+            with torch.device("meta"):
+                model = nn.Sequential(
+                    MLP(dim, multiplier=1, bias=False), MLP(dim, multiplier=1, bias=False)
+                )
+            for module in (model[0], model[1], model):
+                apply(module, mesh=mesh)
+            model.to_empty(device="cpu")
+            _load(model, values)
+            found[f"{dim}_{name}_local_rows"] = [
+                parameter.to_local().shape[0] for parameter in model.parameters()
+            ]
+            found[f"{dim}_{name}_losses"] = _train_steps(model, rank, dim)
+    return found
+
+
+def _from_group(rank: int, mesh: DeviceMesh) -> Results:
+    """FSDP2's ``test_1d_process_group_init``: a mesh from the default group trains the same."""
+    group_mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("dp",))
+    found: Results = {}
+    for name, apply in APPLIES.items():
+        for label, each_mesh in (("mesh", mesh), ("group", group_mesh)):
+            torch.manual_seed(0)
+            model = MLP(8)
+            for module in (model.in_proj, model.out_proj, model):
+                apply(module, mesh=each_mesh)
+            found[f"{name}_{label}"] = _train_steps(model, rank, 8)
+    return found
+
+
+def _job(rank: int, world_size: int) -> Results:
+    mesh = init_device_mesh("cpu", (world_size,))
+    return {
+        "uneven": _uneven_largest_dim(mesh),
+        "assigned": _assigned_from_shards(mesh),
+        "sharded": _sharded_tensors(rank, mesh),
+        "placement": _placement_fn_parity(rank, mesh),
+        "meta": _meta_init(rank, mesh),
+        "from_group": _from_group(rank, mesh),
+    }
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[Results]:
+    return run_distributed(_job, 2, timeout=180.0)
+
+
+def _each(ranks: list[Results], key: str) -> list[Results]:
+    return [rank[key] for rank in ranks]
+
+
+# ----------------------------------------------------------------- tests
+
+
+def test_an_uneven_shard_on_the_largest_dim_is_refused_at_apply_as_fsdp2_refuses_it(
+    ranks: list[Results],
+) -> None:
+    for found in _each(ranks, "uneven"):
+        assert found["same_type"]
+        assert found["holds_theirs"]
+        assert found["ours"].startswith(
+            "NotImplementedError: fully_shard on Sequential: shard_placement_fn returned Shard(1)"
+        )
+        assert "FSDP does not support uneven sharding on dim 1" in found["ours"]
+
+
+def test_a_parameter_assigned_from_shards_before_the_first_forward_trains_as_in_fsdp2(
+    ranks: list[Results],
+) -> None:
+    """3 rows over 2 ranks: rank 0 holds 2, rank 1 one; both take the assigned DTensor."""
+    for rank, found in enumerate(_each(ranks, "assigned")):
+        assert found["ours_loss"] == found["torch_loss"]
+        assert found["ours_local"] == ((2,), (1,))[rank]
+        assert found["gradient_gap"] == 0.0
+        assert found["parameter_gap"] == 0.0
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_shards_of_odd_sizes_are_torch_chunks_as_fsdp2s(ranks: list[Results], shared: bool) -> None:
+    for found in _each(ranks, "sharded"):
+        assert found[f"shared={shared}"]
+
+
+@pytest.mark.parametrize("label", ["largest", "last"])
+def test_shard_placement_fn_places_and_trains_as_fsdp2(ranks: list[Results], label: str) -> None:
+    for found in _each(ranks, "placement"):
+        assert found[f"{label}_ours_placements"] == found[f"{label}_torch_placements"]
+        assert found[f"{label}_ours_full_gap"] == found[f"{label}_torch_full_gap"] == 0.0
+        assert found[f"{label}_ours_losses"] == found[f"{label}_torch_losses"]
+
+
+def test_shard_dim_minus_one_is_the_last_dim(ranks: list[Results]) -> None:
+    for found in _each(ranks, "placement"):
+        assert found["last_ours_placements"] == [(Shard(1),), (Shard(0),), (Shard(1),), (Shard(0),)]
+
+
+@pytest.mark.parametrize("dim", [8, 3, 1])
+def test_a_meta_built_model_of_odd_sizes_trains_as_fsdp2s(ranks: list[Results], dim: int) -> None:
+    """Dim 1 leaves rank 1 no rows at all."""
+    for found in _each(ranks, "meta"):
+        assert found[f"{dim}_ours_local_rows"] == found[f"{dim}_torch_local_rows"]
+        assert found[f"{dim}_ours_losses"] == found[f"{dim}_torch_losses"]
+    if dim == 1:
+        assert set(_each(ranks, "meta")[1]["1_ours_local_rows"]) == {0}
+
+
+def test_a_mesh_made_from_a_process_group_trains_as_fsdp2s(ranks: list[Results]) -> None:
+    for found in _each(ranks, "from_group"):
+        assert found["ours_group"] == found["ours_mesh"] == found["torch_group"]
+        assert found["torch_mesh"] == found["torch_group"]
