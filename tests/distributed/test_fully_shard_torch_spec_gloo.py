@@ -56,6 +56,11 @@ def _load(model: nn.Module, full: dict[str, Tensor]) -> None:
             parameter.to_local().copy_(part.to_local())
 
 
+def _dtensor(tensor: Tensor) -> DTensor:
+    assert isinstance(tensor, DTensor)
+    return tensor
+
+
 def _largest_dim(parameter: nn.Parameter) -> Shard:
     return Shard(max(range(parameter.dim()), key=lambda dim: (parameter.shape[dim], -dim)))
 
@@ -96,7 +101,8 @@ class WeightNorm(nn.Module):
         self.weight_norm = nn.Parameter(norm)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.layer2(self.layer1(x)).sum() + self.weight_norm.sum()
+        out: Tensor = self.layer2(self.layer1(x)).sum() + self.weight_norm.sum()
+        return out
 
 
 def _assigned_from_shards(mesh: DeviceMesh) -> Results:
@@ -118,7 +124,7 @@ def _assigned_from_shards(mesh: DeviceMesh) -> Results:
         loss = model(torch.ones(2, 3))
         loss.backward()
         found[f"{name}_loss"] = loss.item()
-        found[f"{name}_local"] = tuple(model.weight_norm.to_local().shape)
+        found[f"{name}_local"] = tuple(_dtensor(model.weight_norm).to_local().shape)
         models[name] = model
     found["gradient_gap"] = largest_gap(
         full_gradients(models["ours"]), full_gradients(models["torch"])
@@ -149,7 +155,7 @@ def _sharded_tensors(rank: int, mesh: DeviceMesh) -> Results:
                 assert parameter.shape == original.shape
                 assert parameter.stride() == original.stride()
                 assert torch.equal(parameter.to_local(), torch.chunk(original, 2)[rank])
-            locals_[name] = [parameter.to_local() for parameter in sharded]
+            locals_[name] = [_dtensor(parameter).to_local() for parameter in sharded]
         found[f"shared={shared}"] = all(
             torch.equal(a, b) for a, b in zip(locals_["ours"], locals_["torch"], strict=True)
         )
@@ -183,7 +189,7 @@ def _placement_fn_parity(rank: int, mesh: DeviceMesh) -> Results:
             reference = {key: value.detach().clone() for key, value in model.state_dict().items()}
             apply(model, mesh=mesh, shard_placement_fn=function)
             found[f"{label}_{name}_placements"] = [
-                tuple(parameter.placements) for parameter in model.parameters()
+                tuple(_dtensor(parameter).placements) for parameter in model.parameters()
             ]
             found[f"{label}_{name}_full_gap"] = largest_gap(full_parameters(model), reference)
             found[f"{label}_{name}_losses"] = _train_steps(model, rank, 32)
@@ -207,7 +213,7 @@ def _meta_init(rank: int, mesh: DeviceMesh) -> Results:
             model.to_empty(device="cpu")
             _load(model, values)
             found[f"{dim}_{name}_local_rows"] = [
-                parameter.to_local().shape[0] for parameter in model.parameters()
+                _dtensor(parameter).to_local().shape[0] for parameter in model.parameters()
             ]
             found[f"{dim}_{name}_losses"] = _train_steps(model, rank, dim)
     return found
@@ -215,7 +221,9 @@ def _meta_init(rank: int, mesh: DeviceMesh) -> Results:
 
 def _from_group(rank: int, mesh: DeviceMesh) -> Results:
     """FSDP2's ``test_1d_process_group_init``: a mesh from the default group trains the same."""
-    group_mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("dp",))
+    world = dist.group.WORLD
+    assert world is not None
+    group_mesh = DeviceMesh.from_group(world, "cpu", mesh_dim_names=("dp",))
     found: Results = {}
     for name, apply in APPLIES.items():
         for label, each_mesh in (("mesh", mesh), ("group", group_mesh)):
