@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from torchcontract import (
     AlreadyManagedError,
+    ContractError,
     InvalidMeshError,
     InvalidShardDimError,
     ReplacedParameterError,
@@ -282,6 +283,86 @@ def test_a_dtensor_assigned_after_apply_trains_as_in_fsdp2() -> None:
         results[name] = (loss.item(), cast(DTensor, model.weight.grad).full_tensor())
     assert results["ours"][0] == results["torch"][0]
     assert torch.equal(results["ours"][1], results["torch"][1])
+
+
+def _inner_forward_first(apply: Apply, step: list[str]) -> None:
+    model = nn.Sequential(MLP(), MLP())
+    apply(model[0].in_proj, mesh=_mesh())
+    apply(model[0].out_proj, mesh=_mesh())
+    apply(model, mesh=_mesh())
+    step[0] = "inner forward"
+    model[0].in_proj(torch.randn(2, 8))
+    step[0] = "forward"
+    model(torch.randn(2, 8))
+
+
+def test_a_root_whose_inner_application_ran_forward_first_is_refused_as_in_fsdp2() -> None:
+    """FSDP2's ``test_fully_shard_double_lazy_init``, through forwards."""
+    error = _refused_as_torch(_inner_forward_first)
+    assert type(error) is ContractError
+    assert "fully_shard on Sequential: the application on '0.in_proj' ran forward" in str(error)
+
+
+def _list_as_root(apply: Apply, step: list[str]) -> None:
+    model = nn.Sequential(MLP(), MLP())
+    apply([model[0], model[1]], mesh=_mesh())
+    step[0] = "forward"
+    model(torch.randn(2, 8))
+
+
+def test_a_list_application_as_the_root_is_refused_at_the_first_forward_as_in_fsdp2() -> None:
+    """FSDP2's ``test_fully_shard_multi_module_root``, through a forward."""
+    error = _refused_as_torch(_list_as_root, same_text=False)
+    assert type(error) is ContractError
+    assert "FSDP requires a single root module but got (MLP, MLP)" in str(error)
+
+
+def test_a_list_application_under_a_root_trains_as_in_fsdp2() -> None:
+    losses: dict[str, float] = {}
+    for name, apply in APPLIES.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(MLP(), MLP())
+        apply([model[0], model[1]], mesh=_mesh())
+        apply(model, mesh=_mesh())
+        loss = model(torch.ones(2, 8)).sum()
+        loss.backward()
+        losses[name] = loss.item()
+    assert losses["ours"] == losses["torch"]
+
+
+# ----------------------------------------------------------------- forward inputs
+
+
+class ParameterOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self) -> Tensor:
+        return self.weight @ self.weight
+
+
+def test_a_root_without_forward_inputs_trains_as_in_fsdp2() -> None:
+    """FSDP2's ``test_root_no_forward_inputs``."""
+    results: dict[str, Tensor] = {}
+    for name, apply in APPLIES.items():
+        torch.manual_seed(0)
+        model = apply(ParameterOnly(), mesh=_mesh())
+        model().sum().backward()
+        results[name] = cast(DTensor, model.weight.grad).full_tensor()
+    assert torch.equal(results["ours"], results["torch"])
+
+
+class Parameterless(nn.Module):
+    def forward(self, x: Tensor, ys: tuple[Tensor, ...]) -> Tensor:
+        return x + ys[0] + ys[1] + 1
+
+
+def test_a_module_without_parameters_runs_its_forward_as_in_fsdp2() -> None:
+    """FSDP2's ``test_root_move_forward_input_to_device``, on CPU: nested inputs pass through."""
+    x, ys = torch.randn(3), (torch.randn(3), torch.randn(3))
+    outputs = {name: apply(Parameterless(), mesh=_mesh())(x, ys) for name, apply in APPLIES.items()}
+    assert torch.equal(outputs["ours"], outputs["torch"])
 
 
 # ----------------------------------------------------------------- the all-reduce hook's stream

@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 
 from torchcontract import (
     AlreadyManagedError,
+    ContractError,
     IncompatibleAPIError,
     module_label,
     named_tree,
@@ -153,7 +154,13 @@ def _count_forward(record: FullyShardState) -> FullyShardState:
 
 
 def _become_root(group: ParamGroup) -> None:
-    """Lazy init: ``group`` runs forward first, so it is the root of the groups inside it."""
+    """Lazy init: ``group`` runs forward first, so it is the root of the groups inside it.
+
+    Refuses, as FSDP2's lazy init, with ``ContractError`` (a ``RuntimeError``): a
+    root of several modules (a list's application), and a root whose inner
+    applications ran forward before it (each became a root of its own).
+    """
+    _check_single_root(group)
     by_module: dict[int, ParamGroup] = {}
     for candidate in list(ALL_GROUPS):
         for module in candidate.modules():
@@ -166,12 +173,43 @@ def _become_root(group: ParamGroup) -> None:
             if other is not None and id(other) not in seen:
                 seen.add(id(other))
                 found.append(other)
+    _check_not_initialized(group, found)
     _check_no_torch_api(group)
     _check_shared(group, found)
     root = Root(found)
     for member in found:
         member.root = root
         member.is_root = member is group
+
+
+def _check_single_root(group: ParamGroup) -> None:
+    """Refuse a list's application as the root: FSDP2 requires a single root module."""
+    modules = group.modules()
+    if len(modules) > 1:
+        labels = ", ".join(module_label(module) for module in modules[:3])
+        more = f" and {len(modules) - 3} more" if len(modules) > 3 else ""
+        raise ContractError(
+            f"fully_shard on {labels}{more}: the first forward ran through modules sharded as "
+            "one list, which would make them the root (FSDP2: FSDP requires a single root "
+            f"module but got ({labels}{more})); apply fully_shard to a module containing them "
+            "too, and run its forward"
+        )
+
+
+def _check_not_initialized(group: ParamGroup, found: list[ParamGroup]) -> None:
+    """Refuse a root whose inner applications already ran forward as roots of their own."""
+    if all(member.root is None for member in found[1:]):
+        return
+    top = group.modules()[0]
+    for fqn, module in top.named_modules():
+        member = next((each for each in found[1:] if id(module) in each.module_ids), None)
+        if member is not None and member.root is not None:
+            raise ContractError(
+                f"fully_shard on {module_label(top)}: the application on {fqn!r} ran forward "
+                "before this one, its root (FSDP state has already been lazily initialized for "
+                f"{fqn}\nFSDP requires running forward through the root module first); run the "
+                "root's forward first, or apply fully_shard to the inner module only"
+            )
 
 
 def _check_no_torch_api(group: ParamGroup) -> None:
