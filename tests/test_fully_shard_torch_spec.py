@@ -286,12 +286,13 @@ def test_a_dtensor_assigned_after_apply_trains_as_in_fsdp2() -> None:
 
 
 def _inner_forward_first(apply: Apply, step: list[str]) -> None:
-    model = nn.Sequential(MLP(), MLP())
-    apply(model[0].in_proj, mesh=_mesh())
-    apply(model[0].out_proj, mesh=_mesh())
+    first = MLP()
+    model = nn.Sequential(first, MLP())
+    apply(first.in_proj, mesh=_mesh())
+    apply(first.out_proj, mesh=_mesh())
     apply(model, mesh=_mesh())
     step[0] = "inner forward"
-    model[0].in_proj(torch.randn(2, 8))
+    first.in_proj(torch.randn(2, 8))
     step[0] = "forward"
     model(torch.randn(2, 8))
 
