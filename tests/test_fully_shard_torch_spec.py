@@ -398,3 +398,19 @@ def _appending_shapes(seen: list[torch.Size]) -> Callable[[Tensor], None]:
         seen.append(output.shape)
 
     return hook
+
+
+def test_a_dtensor_assigned_after_apply_is_what_unshard_gathers_as_in_fsdp2() -> None:
+    """FSDP2's ``unshard`` runs its group's lazy init: the assigned DTensor is gathered."""
+    gathered: dict[str, Tensor] = {}
+    for name, apply in APPLIES.items():
+        model = apply(nn.Linear(4, 4), mesh=_mesh())
+        weight = torch.arange(16.0).view(4, 4)
+        model.weight = nn.Parameter(distribute_tensor(weight, _mesh(), [Shard(0)]))
+        model.unshard()
+        gathered[name] = model.weight.detach().clone()
+        model.reshard()
+        assert isinstance(model.weight, DTensor)
+        assert torch.equal(model.weight.full_tensor(), weight)
+    assert torch.equal(gathered["ours"], gathered["torch"])
+    assert torch.equal(gathered["ours"], torch.arange(16.0).view(4, 4))

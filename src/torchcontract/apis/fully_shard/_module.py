@@ -341,8 +341,12 @@ class FullyShardModule(FSDPModule):
 def unshard_group(group: ParamGroup, async_op: bool) -> UnshardHandle | None:
     """Gather ``group``'s parameters now, or start to (``async_op``) and return the handle.
 
-    What both ``FullyShardModule.unshard`` and the function ``unshard`` do.
+    What both ``FullyShardModule.unshard`` and the function ``unshard`` do. Before
+    the first forward it takes the parameters assigned since apply as shards first,
+    as FSDP2's ``unshard`` runs its group's lazy init (``ParamGroup.adopt_replaced``).
     """
+    if group.root is None or not group.root.materialized:
+        group.adopt_replaced()
     group.drop_prefetch()  # gathered before any optimizer step since: gather afresh
     if not async_op:
         group.unshard()
