@@ -235,6 +235,68 @@ def _from_group(rank: int, mesh: DeviceMesh) -> Results:
     return found
 
 
+def _save_load(model: nn.Module, rank: int) -> dict[str, bool]:
+    """FSDP2's ``_test_state_dict_save_load``: what a state dict shares and what a load writes."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.fill_(1.0)
+    pointers = {name: _dtensor(p).to_local().data_ptr() for name, p in model.named_parameters()}
+    state = model.state_dict()
+    shares = all(
+        isinstance(value, DTensor)
+        and (pointers[key] == 0 or value.to_local().data_ptr() == pointers[key])
+        for key, value in state.items()
+    )
+    new = {key: value.detach().clone().fill_(42.0 + rank) for key, value in state.items()}
+    model.load_state_dict(new)
+    loaded, kept = True, True
+    for name, parameter in model.named_parameters():
+        local = _dtensor(parameter).to_local()
+        loaded &= bool(torch.all(local == 42.0 + rank))
+        if local.size(0) * _dtensor(parameter).device_mesh.size() == parameter.size(0):
+            kept &= local.data_ptr() == pointers[name]
+    return {
+        "same_keys": set(state) == set(pointers),
+        "shares_storage": shares,
+        "load_writes_values": loaded,
+        "load_keeps_even_storage": kept,
+    }
+
+
+def _state_dicts(rank: int, mesh: DeviceMesh) -> Results:
+    """FSDP2's ``test_dp_state_dict_save_load`` and ``test_cached_state_dict``, odd sizes too."""
+    found: Results = {}
+    for dim in (2, 3, 5):
+        for name, apply in APPLIES.items():
+            for resharding in (True, False):
+                torch.manual_seed(0)
+                model = nn.Sequential(
+                    MLP(dim), nn.Sequential(MLP(dim), nn.Linear(dim, dim)), MLP(dim)
+                )
+                for module in (*model, model):
+                    apply(module, mesh=mesh, reshard_after_forward=resharding)
+                found[f"{dim}_{name}_{resharding}"] = _save_load(model, rank)
+                before = {key: value.full_tensor() for key, value in model.state_dict().items()}
+                model(torch.randn(2, dim))  # the root keeps its parameters unsharded
+                after = {key: value.full_tensor() for key, value in model.state_dict().items()}
+                same = before.keys() == after.keys()
+                same = same and all(torch.equal(before[key], after[key]) for key in before)
+                found[f"{dim}_{name}_{resharding}_after_forward"] = same
+        for name, apply in APPLIES.items():
+            torch.manual_seed(0)
+            linear = apply(nn.Linear(dim, dim, bias=False), mesh=mesh)
+            optimizer = torch.optim.AdamW(linear.parameters(), lr=1e-2)
+            state = linear.state_dict()
+            same = True
+            for _ in range(3):
+                optimizer.zero_grad()
+                linear(torch.rand(dim, dim)).sum().backward()
+                optimizer.step()
+                same &= torch.equal(state["weight"].to_local(), _dtensor(linear.weight).to_local())
+            found[f"{dim}_{name}_cached"] = same
+    return found
+
+
 def _job(rank: int, world_size: int) -> Results:
     mesh = init_device_mesh("cpu", (world_size,))
     return {
@@ -244,6 +306,7 @@ def _job(rank: int, world_size: int) -> Results:
         "placement": _placement_fn_parity(rank, mesh),
         "meta": _meta_init(rank, mesh),
         "from_group": _from_group(rank, mesh),
+        "state_dicts": _state_dicts(rank, mesh),
     }
 
 
@@ -315,3 +378,35 @@ def test_a_mesh_made_from_a_process_group_trains_as_fsdp2s(ranks: list[Results])
     for found in _each(ranks, "from_group"):
         assert found["ours_group"] == found["ours_mesh"] == found["torch_group"]
         assert found["torch_mesh"] == found["torch_group"]
+
+
+@pytest.mark.parametrize("dim", [2, 3, 5])
+@pytest.mark.parametrize("resharding", [True, False])
+def test_a_state_dict_shares_the_shards_and_a_load_writes_into_them_as_in_fsdp2(
+    ranks: list[Results], dim: int, resharding: bool
+) -> None:
+    for found in _each(ranks, "state_dicts"):
+        ours, theirs = found[f"{dim}_ours_{resharding}"], found[f"{dim}_torch_{resharding}"]
+        assert ours == theirs
+        assert all(ours.values())
+
+
+@pytest.mark.parametrize("dim", [2, 3, 5])
+def test_a_state_dict_after_a_forward_holds_the_shards_as_in_fsdp2(
+    ranks: list[Results], dim: int
+) -> None:
+    """With ``reshard_after_forward=False`` the forward leaves every group unsharded."""
+    for found in _each(ranks, "state_dicts"):
+        for resharding in (True, False):
+            assert found[f"{dim}_ours_{resharding}_after_forward"]
+            assert found[f"{dim}_torch_{resharding}_after_forward"]
+
+
+@pytest.mark.parametrize("dim", [2, 3, 5])
+def test_a_state_dict_taken_once_follows_training_as_in_fsdp2(
+    ranks: list[Results], dim: int
+) -> None:
+    """FSDP2's ``test_cached_state_dict``: the values are the shards, updated in place."""
+    for found in _each(ranks, "state_dicts"):
+        assert found[f"{dim}_ours_cached"]
+        assert found[f"{dim}_torch_cached"]
