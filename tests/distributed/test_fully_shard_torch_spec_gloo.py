@@ -12,7 +12,7 @@ is the slow part) and returns what each rank saw.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -297,6 +297,128 @@ def _state_dicts(rank: int, mesh: DeviceMesh) -> Results:
     return found
 
 
+class DoubleLinear(nn.Module):
+    """Two linears on one input: both outputs, or the first only (the second never used)."""
+
+    def __init__(self, dim: int, use_second: bool) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(dim, dim)
+        self.lin2 = nn.Linear(dim, dim)
+        self.use_second = use_second
+
+    def forward(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        if self.use_second:
+            return torch.relu(self.lin1(x)), torch.relu(self.lin2(x))
+        return torch.relu(self.lin1(x))
+
+
+class Packed(nn.Module):
+    """Linears whose input and output are ``kind`` containers of the activation."""
+
+    def __init__(self, dim: int, kind: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.kind = kind
+
+    def forward(self, packed: Any) -> Any:
+        x = packed["x"] if self.kind == "dict" else packed[0]
+        y = torch.relu(self.lin(x))
+        if self.kind == "dict":
+            return {"x": y}
+        if self.kind == "namedtuple":
+            return Pair(y, torch.ones_like(y))
+        return [y] if self.kind == "list" else (y,)
+
+
+class Pack(nn.Module):
+    """A tensor into a ``kind`` container."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x: Tensor) -> Any:
+        if self.kind == "dict":
+            return {"x": x}
+        if self.kind == "namedtuple":
+            return Pair(x, torch.ones_like(x))
+        return [x] if self.kind == "list" else (x,)
+
+
+class Unpack(nn.Module):
+    """The tensor of a ``kind`` container."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, packed: Any) -> Tensor:
+        out: Tensor = packed["x"] if self.kind == "dict" else packed[0]
+        return out
+
+
+class Pair(NamedTuple):
+    """A named pair, as FSDP2's test builds with ``collections.namedtuple``."""
+
+    x: Tensor
+    y: Tensor
+
+
+def _step_losses(model: nn.Module, rank: int, loss_of: Callable[[Any, int], Tensor]) -> list[float]:
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(1 + rank)
+    losses = []
+    for step in range(4):
+        loss = loss_of(model(torch.rand(2, 8)), step)
+        torch.autograd.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=step % 2 == 1)
+        losses.append(loss.item())
+    return losses
+
+
+def _unused_output_loss(outputs: tuple[Tensor, Tensor], step: int) -> Tensor:
+    first, second = outputs
+    return (first * second).sum() if step < 2 else first.sum()
+
+
+def _autograd(rank: int, mesh: DeviceMesh) -> Results:
+    """FSDP2's ``test_fully_shard_autograd``: unused outputs and modules, packed activations."""
+    found: Results = {}
+    parameters: dict[str, dict[str, Tensor]] = {}
+    for name, apply in APPLIES.items():
+        for resharding in (True, False):
+            torch.manual_seed(0)
+            model = DoubleLinear(8, use_second=True)
+            apply(model.lin1, mesh=mesh, reshard_after_forward=resharding)
+            apply(model, mesh=mesh, reshard_after_forward=resharding)
+            found[f"unused_output_{resharding}_{name}"] = _step_losses(
+                model, rank, _unused_output_loss
+            )
+            parameters[f"unused_output_{resharding}_{name}"] = full_parameters(model)
+            torch.manual_seed(0)
+            model = DoubleLinear(8, use_second=False)
+            for module in (model.lin1, model.lin2, model):
+                apply(module, mesh=mesh, reshard_after_forward=resharding)
+            found[f"unused_module_{resharding}_{name}"] = _step_losses(
+                model, rank, lambda out, step: out.sum()
+            )
+            parameters[f"unused_module_{resharding}_{name}"] = full_parameters(model)
+        for kind in ("list", "tuple", "namedtuple", "dict"):
+            torch.manual_seed(0)
+            packed = nn.Sequential(
+                Pack(kind), Packed(8, kind), Packed(8, kind), Packed(8, kind), Unpack(kind)
+            )
+            for module in (*packed, packed):
+                apply(module, mesh=mesh)
+            found[f"packed_{kind}_{name}"] = _step_losses(packed, rank, lambda out, step: out.sum())
+            parameters[f"packed_{kind}_{name}"] = full_parameters(packed)
+    for key in [key for key in parameters if key.endswith("_ours")]:
+        theirs = parameters[key.removesuffix("_ours") + "_torch"]
+        found[key.removesuffix("_ours") + "_gap"] = largest_gap(parameters[key], theirs)
+    return found
+
+
 def _job(rank: int, world_size: int) -> Results:
     mesh = init_device_mesh("cpu", (world_size,))
     return {
@@ -307,6 +429,7 @@ def _job(rank: int, world_size: int) -> Results:
         "meta": _meta_init(rank, mesh),
         "from_group": _from_group(rank, mesh),
         "state_dicts": _state_dicts(rank, mesh),
+        "autograd": _autograd(rank, mesh),
     }
 
 
@@ -410,3 +533,25 @@ def test_a_state_dict_taken_once_follows_training_as_in_fsdp2(
     for found in _each(ranks, "state_dicts"):
         assert found[f"{dim}_ours_cached"]
         assert found[f"{dim}_torch_cached"]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "unused_output_True",
+        "unused_output_False",
+        "unused_module_True",
+        "unused_module_False",
+        "packed_list",
+        "packed_tuple",
+        "packed_namedtuple",
+        "packed_dict",
+    ],
+)
+def test_backward_through_unused_outputs_modules_and_packed_activations_as_in_fsdp2(
+    ranks: list[Results], case: str
+) -> None:
+    """The same losses and parameters after 4 Adam steps as FSDP2's."""
+    for found in _each(ranks, "autograd"):
+        assert found[f"{case}_ours"] == found[f"{case}_torch"]
+        assert found[f"{case}_gap"] == 0.0
