@@ -11,6 +11,7 @@ is the slow part) and returns what each rank saw.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -312,8 +313,31 @@ class DoubleLinear(nn.Module):
         return torch.relu(self.lin1(x))
 
 
+def _pack(kind: str, x: Tensor) -> Any:
+    """``x`` in a ``kind`` container: those FSDP2 looks into, subclasses and dataclasses too."""
+    if kind == "dict":
+        return {"x": x}
+    if kind == "namedtuple":
+        return Pair(x, torch.ones_like(x))
+    if kind == "tuple_subclass":
+        return Couple((x, x))
+    if kind == "dataclass":
+        return Boxed(x)
+    return [x] if kind == "list" else (x,)
+
+
+def _unpack(kind: str, packed: Any) -> Tensor:
+    if kind == "dict":
+        out: Tensor = packed["x"]
+    elif kind == "dataclass":
+        out = packed.x
+    else:
+        out = packed[0]
+    return out
+
+
 class Packed(nn.Module):
-    """Linears whose input and output are ``kind`` containers of the activation."""
+    """A linear whose input and output are ``kind`` containers of the activation."""
 
     def __init__(self, dim: int, kind: str) -> None:
         super().__init__()
@@ -321,13 +345,7 @@ class Packed(nn.Module):
         self.kind = kind
 
     def forward(self, packed: Any) -> Any:
-        x = packed["x"] if self.kind == "dict" else packed[0]
-        y = torch.relu(self.lin(x))
-        if self.kind == "dict":
-            return {"x": y}
-        if self.kind == "namedtuple":
-            return Pair(y, torch.ones_like(y))
-        return [y] if self.kind == "list" else (y,)
+        return _pack(self.kind, torch.relu(self.lin(_unpack(self.kind, packed))))
 
 
 class Pack(nn.Module):
@@ -338,11 +356,7 @@ class Pack(nn.Module):
         self.kind = kind
 
     def forward(self, x: Tensor) -> Any:
-        if self.kind == "dict":
-            return {"x": x}
-        if self.kind == "namedtuple":
-            return Pair(x, torch.ones_like(x))
-        return [x] if self.kind == "list" else (x,)
+        return _pack(self.kind, x)
 
 
 class Unpack(nn.Module):
@@ -353,8 +367,7 @@ class Unpack(nn.Module):
         self.kind = kind
 
     def forward(self, packed: Any) -> Tensor:
-        out: Tensor = packed["x"] if self.kind == "dict" else packed[0]
-        return out
+        return _unpack(self.kind, packed)
 
 
 class Pair(NamedTuple):
@@ -362,6 +375,17 @@ class Pair(NamedTuple):
 
     x: Tensor
     y: Tensor
+
+
+class Couple(tuple[Tensor, Tensor]):
+    """A tuple subclass, which ``pytree`` does not look into (FSDP2 does)."""
+
+
+@dataclasses.dataclass
+class Boxed:
+    """A dataclass output, which FSDP2 looks into."""
+
+    x: Tensor
 
 
 def _step_losses(model: nn.Module, rank: int, loss_of: Callable[[Any, int], Tensor]) -> list[float]:
@@ -380,6 +404,9 @@ def _step_losses(model: nn.Module, rank: int, loss_of: Callable[[Any, int], Tens
 def _unused_output_loss(outputs: tuple[Tensor, Tensor], step: int) -> Tensor:
     first, second = outputs
     return (first * second).sum() if step < 2 else first.sum()
+
+
+KINDS = ("list", "tuple", "namedtuple", "dict", "tuple_subclass", "dataclass")
 
 
 def _autograd(rank: int, mesh: DeviceMesh) -> Results:
@@ -404,7 +431,7 @@ def _autograd(rank: int, mesh: DeviceMesh) -> Results:
                 model, rank, lambda out, step: out.sum()
             )
             parameters[f"unused_module_{resharding}_{name}"] = full_parameters(model)
-        for kind in ("list", "tuple", "namedtuple", "dict"):
+        for kind in KINDS:
             torch.manual_seed(0)
             packed = nn.Sequential(
                 Pack(kind), Packed(8, kind), Packed(8, kind), Packed(8, kind), Unpack(kind)
@@ -542,10 +569,7 @@ def test_a_state_dict_taken_once_follows_training_as_in_fsdp2(
         "unused_output_False",
         "unused_module_True",
         "unused_module_False",
-        "packed_list",
-        "packed_tuple",
-        "packed_namedtuple",
-        "packed_dict",
+        *(f"packed_{kind}" for kind in KINDS),
     ],
 )
 def test_backward_through_unused_outputs_modules_and_packed_activations_as_in_fsdp2(

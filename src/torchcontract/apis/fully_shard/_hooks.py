@@ -18,6 +18,7 @@ update, so it neither breaks its graph on them nor specialises on a parameter.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Final, TypeVar, cast
 
@@ -40,7 +41,7 @@ from .. import _torch
 from ._group import ALL_GROUPS, ParamGroup, Phase, Root, root_names
 from ._state import FullyShardState
 
-__all__ = ["ForwardHooks", "in_backward"]
+__all__ = ["ForwardHooks", "grad_tensors", "in_backward"]
 
 _Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -123,9 +124,8 @@ class ForwardHooks:
             group.root.record_post_forward(group)
         group.phase = Phase.IDLE
         if torch.is_grad_enabled():
-            for leaf in pytree.tree_leaves(output):
-                if isinstance(leaf, Tensor) and leaf.requires_grad:
-                    _torch.register_tensor_hook(leaf, group.pre_backward)
+            for tensor in grad_tensors(output):
+                _torch.register_tensor_hook(tensor, group.pre_backward)
         return output if policy is not None and policy.output_dtype is not None else None
 
 
@@ -142,6 +142,41 @@ def _cast(tree: _Tree, dtype: torch.dtype | None) -> _Tree:
         for leaf in leaves
     ]
     return cast(_Tree, pytree.tree_unflatten(cast_leaves, spec))
+
+
+def grad_tensors(tree: object) -> list[Tensor]:
+    """The tensors requiring grad in ``tree``, found as FSDP2 finds them in a module's output.
+
+    FSDP2 (``collect_grad_tensors``) looks inside dicts, lists, tuples (subclasses and
+    named tuples too) and dataclasses, where ``pytree`` sees an unregistered subclass
+    or dataclass as one leaf; a tensor it missed would get no pre-backward hook, and
+    backward would run on freed parameters.
+    """
+    found: list[Tensor] = []
+    stack: list[tuple[object, int]] = [(tree, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Tensor):
+            if item.requires_grad:
+                found.append(item)
+            continue
+        if depth >= _MAX_DEPTH:
+            continue
+        children: list[object]
+        if dataclasses.is_dataclass(item) and not isinstance(item, type):
+            children = [getattr(item, field.name) for field in dataclasses.fields(item)]
+        elif isinstance(item, dict):
+            children = list(cast(dict[object, object], item).values())
+        elif isinstance(item, list | tuple):
+            children = list(cast(list[object] | tuple[object, ...], item))
+        else:
+            continue
+        stack.extend((child, depth + 1) for child in reversed(children))
+    return found
+
+
+#: How deep ``grad_tensors`` looks into nested containers (FSDP2's limit).
+_MAX_DEPTH: Final = 128
 
 
 def in_backward() -> bool:
