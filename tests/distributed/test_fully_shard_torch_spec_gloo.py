@@ -12,6 +12,7 @@ is the slow part) and returns what each rank saw.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -22,8 +23,11 @@ from fully_shard_models import full_gradients, full_parameters, largest_gap
 from fully_shard_models import needs_reference_fully_shard as needs_reference
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.nn.parallel import DistributedDataParallel
 
 from torchcontract.apis import fully_shard
 from torchcontract.testing import run_distributed
@@ -446,6 +450,79 @@ def _autograd(rank: int, mesh: DeviceMesh) -> Results:
     return found
 
 
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin_c = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.lin_c(x)
+        return out
+
+
+class Middle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin_b = nn.Linear(8, 8)
+        self.module_c = Inner()
+        self.subtrahend = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.lin_b(self.module_c(x)) - self.subtrahend
+        return out
+
+
+class Outer(nn.Module):
+    """FSDP2's ``test_ddp_A_fsdp_B_ddp_C`` model: A holds B, which holds C."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module_b = Middle()
+        self.addend = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = (self.module_b(x) + self.addend).sum()
+        return out
+
+
+def _ignored_under_ddp(mesh: DeviceMesh) -> Results:
+    """FSDP2's ``test_ddp_A_fsdp_B_ddp_C``: B sharded ignoring C's parameters, DDP around all."""
+    found: Results = {}
+    parameters: dict[str, dict[str, Tensor]] = {}
+    for name, apply in APPLIES.items():
+        torch.manual_seed(0)
+        model = Outer()
+        ignored = set(model.module_b.module_c.parameters())
+        apply(model.module_b.lin_b, mesh=mesh, ignored_params=ignored)
+        apply(model.module_b, mesh=mesh, ignored_params=ignored)
+        found[f"{name}_sharded_modules"] = sorted(
+            fqn for fqn, module in model.named_modules() if isinstance(module, FSDPModule)
+        )
+        sharded = ["module_b.subtrahend", "module_b.lin_b.weight", "module_b.lin_b.bias"]
+        ignore: Callable[[nn.Module, list[str]], None] = (
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model
+        )
+        ignore(model, sharded)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DDP's notes on DTensor parameters
+            wrapped = DistributedDataParallel(model, broadcast_buffers=False)
+        optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-2)
+        torch.manual_seed(1)
+        x = torch.randn(8, 8)
+        losses = []
+        for _ in range(3):
+            loss = wrapped(x)
+            torch.autograd.backward(loss)
+            with implicit_replication():
+                optimizer.step()
+                optimizer.zero_grad()
+            losses.append(loss.item())
+        found[f"{name}_losses"] = losses
+        parameters[name] = full_parameters(model)
+    found["parameter_gap"] = largest_gap(parameters["ours"], parameters["torch"])
+    return found
+
+
 def _job(rank: int, world_size: int) -> Results:
     mesh = init_device_mesh("cpu", (world_size,))
     return {
@@ -457,6 +534,7 @@ def _job(rank: int, world_size: int) -> Results:
         "from_group": _from_group(rank, mesh),
         "state_dicts": _state_dicts(rank, mesh),
         "autograd": _autograd(rank, mesh),
+        "ignored_under_ddp": _ignored_under_ddp(mesh),
     }
 
 
@@ -579,3 +657,12 @@ def test_backward_through_unused_outputs_modules_and_packed_activations_as_in_fs
     for found in _each(ranks, "autograd"):
         assert found[f"{case}_ours"] == found[f"{case}_torch"]
         assert found[f"{case}_gap"] == 0.0
+
+
+def test_ignored_parameters_under_ddp_train_as_in_fsdp2(ranks: list[Results]) -> None:
+    """C is left to DDP, B and its linear to fully_shard: the same losses and parameters."""
+    for found in _each(ranks, "ignored_under_ddp"):
+        assert found["ours_sharded_modules"] == found["torch_sharded_modules"]
+        assert found["ours_sharded_modules"] == ["module_b", "module_b.lin_b"]
+        assert found["ours_losses"] == found["torch_losses"]
+        assert found["parameter_gap"] == 0.0
