@@ -438,20 +438,23 @@ def test_a_rolled_back_apply_leaves_nothing_in_the_index(mesh: DeviceMesh) -> No
     assert len(MANAGED) == before + PARAMETERS_PER_LAYER
 
 
-def test_a_parameter_shared_outside_the_group_stays_indexed_until_freed(
+def test_a_parameter_shared_outside_the_group_is_sharded_again_and_forgotten_when_freed(
     mesh: DeviceMesh,
 ) -> None:
     """The head shares the embedding's weight: sharding the head leaves the original at the
-    embedding, found by the root's apply; dropping the model forgets it."""
+    embedding, which the root's apply shards again, as FSDP2's; the first forward refuses the
+    two groups; dropping the model forgets both."""
     gc.collect()
     baseline = len(MANAGED)
     model = on_meta(1)
     model.head.weight = model.embed.weight
     fully_shard(model.head, mesh=mesh)
     assert len(MANAGED) == baseline + 2  # the head's location, and the original
+    fully_shard(model, mesh=mesh)
     with pytest.raises(
-        AlreadyManagedError, match=r"'embed.weight' is shared with a module of fully_shard"
+        AlreadyManagedError, match=r"Parameter 'head.weight' is shared with a parameter already"
     ):
-        fully_shard(model, mesh=mesh)
+        model(torch.zeros(1, dtype=torch.long))
     del model
+    gc.collect()
     assert len(MANAGED) == baseline

@@ -143,9 +143,18 @@ def test_accelerator_only_methods_are_refused_naming_them(mesh: DeviceMesh, meth
         ACCELERATOR_ONLY[method](model)
 
 
-def test_an_all_reduce_hook_on_a_stream_is_refused(mesh: DeviceMesh) -> None:
-    with pytest.raises(NotImplementedError, match=r"set_all_reduce_hook\(stream=...\)"):
-        fsdp(sharded(mesh)).set_all_reduce_hook(lambda tensor: None, stream=object())  # type: ignore[arg-type]
+def test_an_all_reduce_hook_on_a_stream_is_recorded_without_hsdp(mesh: DeviceMesh) -> None:
+    model, stream = sharded(mesh), torch.cpu.Stream()
+    fsdp(model).set_all_reduce_hook(print, stream=stream)  # type: ignore[arg-type]
+    assert fully_shard.state(model).all_reduce_hook is print
+    assert fully_shard.state(model).all_reduce_hook_stream is stream
+
+
+def test_an_all_reduce_hook_on_a_stream_is_refused_under_hsdp(mesh: DeviceMesh) -> None:
+    hsdp = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
+    model = fully_shard(Net(), mesh=hsdp)
+    with pytest.raises(ValueError, match=r"stream cannot be set when using native HSDP"):
+        fsdp(model).set_all_reduce_hook(print, stream=torch.cpu.Stream())  # type: ignore[arg-type]
 
 
 def test_set_reshard_after_forward_takes_only_a_bool(mesh: DeviceMesh) -> None:

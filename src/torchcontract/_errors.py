@@ -17,12 +17,16 @@ __all__ = [
     "InvalidMeshError",
     "InvalidRecordError",
     "InvalidResultError",
+    "InvalidShardDimError",
     "InvalidStateClassError",
     "InvalidTargetError",
     "NotAppliedError",
+    "ReplacedParameterError",
     "RulePredicateError",
+    "ScalarParameterError",
     "UnknownTorchAPIError",
     "UnmaterializedParameterError",
+    "UnnamedMeshError",
 ]
 
 
@@ -46,12 +50,39 @@ class FQNChangedError(ContractError):
     """The API function changed a parameter, buffer or module FQN, or their order."""
 
 
-class AlreadyManagedError(ContractError):
-    """A parameter is already sharded: another application manages it, or it is a DTensor."""
+class AlreadyManagedError(ContractError, ValueError):
+    """A parameter is already sharded: another application manages it, or it is a DTensor.
+
+    A ``ValueError`` too, as FSDP2 raises for a parameter two of its groups manage.
+    """
 
 
 class InvalidMeshError(ContractError, ValueError):
     """The device mesh given to an API does not have the shape the API needs."""
+
+
+class UnnamedMeshError(InvalidMeshError, AssertionError):
+    """A 2-D (HSDP) mesh has no dim names; an ``AssertionError`` too, as FSDP2 raises."""
+
+
+class ScalarParameterError(ContractError, ValueError):
+    """A parameter to shard is a scalar (0-d): it has no dim to shard on (FSDP2's ValueError)."""
+
+
+class InvalidShardDimError(ValueError, AssertionError):
+    """``shard_placement_fn`` returned a dim the parameter does not have.
+
+    An ``AssertionError`` too, as FSDP2 raises.
+    """
+
+
+class ReplacedParameterError(ContractError, AttributeError):
+    """A parameter registered in place of a sharded one cannot be taken as its shard.
+
+    Raised at the first forward, where FSDP2 re-reads the parameters: the new one
+    is not a ``DTensor`` (FSDP2 fails with ``AttributeError``) or not laid out as the
+    shard it replaces (a ``RuntimeError``, as this class is).
+    """
 
 
 class IncompatibleAPIError(ContractError):

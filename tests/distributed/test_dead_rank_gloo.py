@@ -48,7 +48,7 @@ def _die_in_backward(module: nn.Module, inputs: tuple[Tensor, ...], output: Tens
 
 def _shard(model: GPT, world_size: int, hsdp: bool) -> None:
     shape = (world_size // 2, 2) if hsdp else (world_size,)
-    mesh = init_device_mesh("cpu", shape)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape) :])
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

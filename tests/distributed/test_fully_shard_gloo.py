@@ -398,8 +398,9 @@ def _bad_input_messages(mesh: DeviceMesh, world_size: int) -> dict[str, str | bo
 
     model = gpt()
     fully_shard(model.head, mesh=mesh)  # the head's weight is the embedding's
+    fully_shard(model, mesh=mesh)  # shards it again, as FSDP2; refused at the first forward
     try:
-        fully_shard(model, mesh=mesh)
+        model(batch(0, 0)[0])
     except AlreadyManagedError as error:
         found["tied"] = f"{type(error).__name__}: {error}"
 
@@ -756,11 +757,14 @@ def test_bad_input_is_refused_naming_the_module_and_changing_nothing(
         assert found["managed"].startswith("AlreadyManagedError: fully_shard on Block")
         assert "already managed by fully_shard on GPT" in found["managed"]
         assert found["tied"].startswith(
-            "AlreadyManagedError: fully_shard on GPT: parameter 'embed.weight' is shared with a "
-            "module of fully_shard on Linear 'head' of GPT"
+            "AlreadyManagedError: fully_shard on GPT: parameter 'head.weight' is sharded by two "
+            "applications of fully_shard"
+        )
+        assert (
+            "Parameter 'head.weight' is shared with a parameter already managed" in (found["tied"])
         )
         assert found["scalar"].startswith(
-            "ContractError: fully_shard on GPT: parameter 'blocks.1.scale' is a scalar (0-d)"
+            "ScalarParameterError: fully_shard on GPT: parameter 'blocks.1.scale' is a scalar"
         )
         assert found["scalar_untouched"]
 

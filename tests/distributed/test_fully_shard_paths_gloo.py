@@ -401,14 +401,15 @@ def test_a_forward_on_meta_parameters_is_refused_before_any_compute(
     for found in _each(ranks, "meta"):
         assert found["ours_error"].startswith(
             "UnmaterializedParameterError: fully_shard on GPT: 4 parameter(s) still on the "
-            "meta device ('position', 'embed.weight', 'norm.weight' and 1 more)"
+            "meta device"
         )
         assert "to_empty(device=...)" in found["ours_error"]
         assert found["ours_computed"] == []
-        # torch's fully_shard refuses too
+        # torch's fully_shard refuses too, with the message ours holds
         assert found["theirs_error"].startswith(
             "RuntimeError: FSDP parameters should be materialized"
         )
+        assert found["theirs_error"].removeprefix("RuntimeError: ") in found["ours_error"]
         assert found["theirs_computed"] == []
 
 
@@ -417,8 +418,11 @@ def test_unshard_of_a_meta_group_names_its_module(ranks: list[Results]) -> None:
     for found in _each(ranks, "meta"):
         assert found["unshard_error"].startswith(
             "UnmaterializedParameterError: fully_shard on Block 'blocks.1' of GPT: 12 "
-            "parameter(s) still on the meta device ('norm1.weight', 'norm1.bias', "
-            "'qkv.weight' and 9 more)"
+            "parameter(s) still on the meta device"
+        )
+        assert (
+            "still on meta device: ['norm1.weight', 'norm1.bias', 'qkv.weight',"
+            in (found["unshard_error"])
         )
 
 

@@ -41,6 +41,8 @@ from torchcontract import (
     Incompatible,
     InvalidMeshError,
     ModuleListContract,
+    ScalarParameterError,
+    UnnamedMeshError,
     contract,
     exported_from,
     module_label,
@@ -57,7 +59,7 @@ from ._layout import Layout, check_post_forward, layout_of
 from ._managed import MANAGED
 from ._module import fully_shard_class, restore_class, unshard_group
 from ._placement import shard_dim
-from ._sharding import Location, ManagedParameter
+from ._sharding import Location, ManagedParameter, new_origin
 from ._spmd import DataParallelDims, data_parallel_dims, spmd_layout
 from ._state import FullyShardState
 from ._state_dict import register_state_dict_hooks
@@ -82,6 +84,7 @@ class _Found:
     fqn: str
     parameter: nn.Parameter
     locations: list[Location]
+    origin: int
 
 
 def _default_mesh(target: nn.Module) -> DeviceMesh:
@@ -204,12 +207,26 @@ def _layouts(
     world = mesh.size(mesh.ndim - 1)
     layouts: list[Layout] = []
     for item in found:
+        _check_contiguous(target, item)
         dim = shard_dim(target, item.fqn, item.parameter, placement_fn, world)
         if spmd is None:
             layouts.append(layout_of(target, item.fqn, item.parameter, mesh, dim))
         else:
             layouts.append(spmd_layout(target, item.fqn, item.parameter, spmd, dim))
     return layouts
+
+
+def _check_contiguous(target: nn.Module, item: _Found) -> None:
+    """Refuse a non-contiguous parameter (``channels_last``), as FSDP2 does."""
+    parameter = item.parameter
+    if not parameter.is_contiguous():
+        raise NotImplementedError(
+            f"{_where(target, '', item.fqn)} is not contiguous (strides {parameter.stride()}, "
+            "e.g. channels_last), which fully_shard, as FSDP2, does not shard (FSDP2: FSDP does "
+            f"not support non-contiguous parameters yet: param.shape={parameter.shape} "
+            f"param.stride()={parameter.stride()}); make it contiguous first "
+            "(module.to(memory_format=torch.contiguous_format))"
+        )
 
 
 def _check_spmd_resharding(target: nn.Module, value: bool | int | None) -> None:
@@ -222,13 +239,24 @@ def _check_spmd_resharding(target: nn.Module, value: bool | int | None) -> None:
 
 
 def _check_mesh(target: nn.Module, mesh: DeviceMesh) -> None:
-    """A 1-D mesh shards; a 2-D one ``(replicate, shard)`` is HSDP, as FSDP2 reads it."""
+    """A 1-D mesh shards; a 2-D one ``(replicate, shard)`` is HSDP, as FSDP2 reads it.
+
+    Each message holds FSDP2's own for the same mesh, after ours.
+    """
     if mesh.ndim not in (1, 2):
         raise InvalidMeshError(
             f"fully_shard on {module_label(target)}: expected a 1-D mesh (sharding) or a 2-D "
-            f"mesh (replicate, shard) for HSDP, got one of shape {tuple(mesh.shape)}; pass "
+            f"mesh (replicate, shard) for HSDP, got one of shape {tuple(mesh.shape)} "
+            f"(FSDP2: fully_shard expects a 1D or 2D DeviceMesh but got {mesh}); pass "
             "mesh=init_device_mesh(device, (world_size,)), or (replicas, shard_size), or "
             "slice it (mesh['replicate', 'shard'])"
+        )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise UnnamedMeshError(
+            f"fully_shard on {module_label(target)}: a 2-D mesh (HSDP) needs dim names "
+            "(FSDP2: Please init the 2D mesh for HSDP with mesh_dim_names specified); pass "
+            "init_device_mesh(device, (replicas, shard_size), mesh_dim_names=('replicate', "
+            "'shard'))"
         )
 
 
@@ -291,15 +319,17 @@ def _find_parameters(
 ) -> list[_Found]:
     """The parameters under ``targets`` that no nested application manages, validated.
 
-    Raises ``AlreadyManagedError`` for a parameter another application manages
-    (one not nested in the targets, or a nested one that does not reach every
-    module sharing the parameter); ``ContractError``
-    for a 0-d one. Parameters whose ids are in ``ignored`` are left out, their first FQNs appended
-    to ``skipped``. Reads only: nothing is changed. One index lookup per parameter,
-    and error text only for an error: the cost is linear in the targets' modules
-    and parameters, whatever else is sharded.
+    Raises ``AlreadyManagedError`` for a parameter another application that is
+    not nested in the targets manages; ``ScalarParameterError`` for a 0-d one. A
+    parameter registered where another application's modules do not reach (shared
+    with them) is sharded again, as FSDP2 does, under the same origin: the first
+    forward refuses it (``check_shared``). Parameters whose ids are in ``ignored``
+    are left out, their first FQNs appended to ``skipped``. Reads only: nothing is
+    changed. One index lookup per parameter, and error text only for an error: the
+    cost is linear in the targets' modules and parameters, whatever else is sharded.
     """
     inside: set[int] | None = None  # ids of the targets' modules, once a managed one is found
+    shared: dict[int, ParamGroup] = {}  # originals another application also shards, by id
     nested: dict[int, bool] = {}  # by group id: whether one of its modules is inside
     found: dict[int, _Found] = {}
     seen_ignored: set[int] = set()
@@ -314,14 +344,11 @@ def _find_parameters(
                         skipped.append(_fqn(prefix, name))
                     continue
                 manager = MANAGED.manager(module, name, parameter)
-                if manager is not None:
-                    if manager.original:
-                        raise AlreadyManagedError(
-                            f"{_where(target, prefix, name)} is shared with a module of "
-                            f"fully_shard on {_owner(manager.group)}, which manages it but does "
-                            "not contain this module; apply fully_shard to a module containing "
-                            "every module that shares the parameter"
-                        )
+                if manager is not None and manager.original:
+                    # Shared with another application's modules: sharded here again, as
+                    # FSDP2 does; the first forward refuses the two groups (``check_shared``).
+                    shared[id(parameter)] = manager.group
+                elif manager is not None:
                     verdict = nested.get(id(manager.group))
                     if verdict is None:
                         if inside is None:
@@ -336,15 +363,29 @@ def _find_parameters(
                         )
                     continue  # a nested application manages it
                 if parameter.dim() == 0:
-                    raise ContractError(
+                    raise ScalarParameterError(
                         f"{_where(target, prefix, name)} is a scalar (0-d), which cannot be "
-                        "sharded on dim 0; reshape it to one element"
+                        "sharded on dim 0; reshape it to one element (FSDP2: fully_shard "
+                        "doesn't support scalar parameters. Change "
+                        f"{name} to a 1D tensor with numel equal to 1.)"
                     )
                 entry = found.get(id(parameter))
                 if entry is None:
-                    entry = found[id(parameter)] = _Found(_fqn(prefix, name), parameter, [])
+                    entry = found[id(parameter)] = _Found(
+                        _fqn(prefix, name), parameter, [], _origin(parameter, shared)
+                    )
                 entry.locations.append((weakref.ref(module), name))
     return list(found.values())
+
+
+def _origin(parameter: nn.Parameter, shared: dict[int, ParamGroup]) -> int:
+    """The origin of ``parameter``'s shards: the other application's if it shards it too."""
+    group = shared.get(id(parameter))
+    if group is not None:
+        for managed in group.parameters:
+            if managed.original() is parameter:
+                return managed.origin
+    return new_origin()
 
 
 def _module_ids(targets: Sequence[nn.Module]) -> set[int]:
@@ -525,20 +566,31 @@ def fully_shard(
         TypeError: An argument is of the wrong type (the message names it), or
             ``dp_mesh_dims`` where torch has no ``DataParallelMeshDims``.
         ValueError: An int ``reshard_after_forward`` does not divide the mesh's
-            size, a dtype is not floating point, a placement's dim is out of a
-            parameter's range, or ``dp_mesh_dims`` does not fit the mesh or a
-            parameter.
-        NotImplementedError: An uneven placement on another dim than 0, an int
+            size, a dtype is not floating point, or ``dp_mesh_dims`` does not fit
+            the mesh or a parameter.
+        InvalidShardDimError: A placement's dim is out of a parameter's range (a
+            ``ValueError`` and, as FSDP2's, an ``AssertionError``).
+        NotImplementedError: A non-contiguous parameter (``channels_last``), an
+            uneven placement on another dim than 0, an int
             ``reshard_after_forward`` for tensor-parallel parameters, another dim
             than 0 or with ``dp_mesh_dims``, a tensor-parallel parameter with a
             ``Partial`` placement or on a mesh of more than 2 dims (or on a torch
             without ``DeviceMesh._concatenate``), ``dp_mesh_dims`` without ``shard``
             or with shard dims apart, or ``CPUOffloadPolicy`` on an accelerator mesh.
         InvalidMeshError: The mesh is neither 1-D nor 2-D (a ``ValueError``), or
-            a tensor-parallel mesh cannot stand beside it.
-        AlreadyManagedError: A parameter another application manages, or a
-            DTensor on the data-parallel mesh.
-        ContractError: No process group, or a 0-d parameter.
+            a tensor-parallel mesh cannot stand beside it; ``UnnamedMeshError`` (also
+            an ``AssertionError``, as FSDP2's) for a 2-D mesh without dim names.
+        AlreadyManagedError: A parameter another application that is not nested
+            in ``module`` manages, or a DTensor on the data-parallel mesh. A
+            parameter shared with another application's modules is sharded again,
+            as FSDP2 does, and the root's first forward raises it (a ``ValueError``).
+        ScalarParameterError: A 0-d parameter (a ``ValueError``, as FSDP2's).
+        ContractError: No process group.
+
+    The first forward, as FSDP2's lazy init, takes as a shard a ``DTensor``
+    parameter registered since in place of one (``ReplacedParameterError`` for
+    one it cannot take), then raises ``UnmaterializedParameterError`` for shards
+    still on the meta device.
     """
     # A list's modules nested in one another: the outer ones hold the group, as the
     # contract's targets (hooks on an inner one would reshard in the outer's forward).
@@ -577,6 +629,7 @@ def fully_shard(
             item.locations,
             mesh,
             mp_policy.param_dtype,
+            origin=item.origin,
             post_forward_mesh=post_forward,
             layout=layout,
         )

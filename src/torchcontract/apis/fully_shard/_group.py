@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -46,7 +46,16 @@ from ._state import FullyShardState
 if TYPE_CHECKING:
     from torchcontract import Contract
 
-__all__ = ["ALL_GROUPS", "ParamGroup", "Phase", "Root"]
+__all__ = ["ALL_GROUPS", "ParamGroup", "Phase", "Root", "root_names"]
+
+
+def root_names(root: nn.Module) -> dict[int, str]:
+    """The FQN in ``root`` of every parameter registered under it, by the tensor's id.
+
+    The first name of a tied parameter, as ``named_parameters`` gives it (and FSDP2's
+    ``_init_fqns``).
+    """
+    return {id(parameter): name for name, parameter in root.named_parameters()}
 
 
 class Phase(enum.Enum):
@@ -181,20 +190,50 @@ class ParamGroup:
 
     # ----------------------------------------------------------------- sharding
 
-    def check_materialized(self) -> None:
-        """Raise ``UnmaterializedParameterError`` if a shard is still on the meta device."""
-        on_meta = [parameter.fqn for parameter in self.parameters if parameter.is_meta]
-        if not on_meta:
+    def check_materialized(self, root: nn.Module | None = None) -> None:
+        """Raise ``UnmaterializedParameterError`` if a shard is still on the meta device.
+
+        The message holds FSDP2's, which names the parameters by their FQNs in the
+        ``root`` module (the one whose forward ran first); without it, by their FQNs
+        in this application's module.
+        """
+        if not any(parameter.is_meta for parameter in self.parameters):
             return
+        names = None if root is None else root_names(root)
+        ordered = _in_fsdp2_order(self.modules(), self.parameters)
+        on_meta = [self.root_fqn(p, names) for p in ordered if p.is_meta]
         modules = self.modules()
         where = module_label(modules[0]) if modules else "a freed module"
-        shown = ", ".join(repr(fqn) for fqn in on_meta[:3])
-        more = f" and {len(on_meta) - 3} more" if len(on_meta) > 3 else ""
         raise UnmaterializedParameterError(
             f"fully_shard on {where}: {len(on_meta)} parameter(s) still on the meta device "
-            f"({shown}{more}); materialize them before the first forward: call "
-            "model.to_empty(device=...), then initialize them (reset_parameters() or your init)"
+            "(materialize them before the first forward: model.to_empty(device=...), then "
+            "your init); FSDP parameters should be materialized from meta device before "
+            f"training, but the following were still on meta device: {on_meta}\n"
+            "For example, call module.to_empty(device) to materialize to device and call "
+            "module.reset_parameters() on each module to initialize values."
         )
+
+    @staticmethod
+    def root_fqn(parameter: ManagedParameter, names: Mapping[int, str] | None) -> str:
+        """``parameter``'s FQN in the root module (``names``), else in its application's."""
+        if names is not None:
+            for tensor in (parameter.sharded, parameter.unsharded):
+                if tensor is not None and id(tensor) in names:
+                    return names[id(tensor)]
+        return parameter.fqn
+
+    def adopt_replaced(self) -> None:
+        """Take as shards the parameters registered in place of them since apply (lazy init).
+
+        As FSDP2's lazy init (``reset_sharded_param``): a module's parameter set
+        after ``fully_shard`` to a ``DTensor`` laid out as its shard is sharded by
+        this application from now on. Raises ``ReplacedParameterError`` for
+        anything else registered there.
+        """
+        modules = self.modules()
+        where = module_label(modules[0]) if modules else "a freed module"
+        for parameter in self.parameters:
+            parameter.adopt_replaced(where)
 
     def unshard(self) -> None:
         """All-gather the parameters and register the unsharded ones (no-op if unsharded).
@@ -355,13 +394,60 @@ class ParamGroup:
                 self.process_group,
                 self.reduce_dtype,
                 self.replicate_group,
-                hook=record.all_reduce_hook,
+                hook=_on_stream(record.all_reduce_hook, record.all_reduce_hook_stream),
                 all_reduce=record.requires_all_reduce,
                 deferred=self.deferred,
                 divide_factor=record.gradient_divide_factor,
                 force_sum=record.force_sum_reduction,
             )
             self.reduced = True
+
+
+def _in_fsdp2_order(
+    targets: Sequence[nn.Module], parameters: Sequence[ManagedParameter]
+) -> list[ManagedParameter]:
+    """``parameters`` in FSDP2's order: by module, children before their parent, as listed.
+
+    FSDP2 collects a group's modules depth first, appending each after its children
+    (``_get_managed_modules``); its messages list parameters in that order.
+    """
+    position: dict[int, int] = {}
+
+    def visit(module: nn.Module) -> None:
+        position[id(module)] = -1  # visited
+        for child in module._modules.values():
+            if child is not None and id(child) not in position:
+                visit(child)
+        position[id(module)] = len(position)
+
+    for target in targets:
+        if id(target) not in position:
+            visit(target)
+
+    def key(parameter: ManagedParameter) -> tuple[int, int]:
+        module_ref, name = parameter.locations[0]
+        module = module_ref()
+        if module is None:
+            return (len(position), 0)
+        return (position.get(id(module), len(position)), list(module._parameters).index(name))
+
+    return sorted(parameters, key=key)
+
+
+def _on_stream(
+    hook: Callable[[Tensor], None] | None, stream: object | None
+) -> Callable[[Tensor], None] | None:
+    """``hook``, run in ``stream``'s device module's ``stream`` context if one was given."""
+    if hook is None or stream is None:
+        return hook
+
+    def on_stream(output: Tensor) -> None:
+        device = getattr(stream, "device", None)
+        kind = torch.device(device).type if device is not None else "cpu"
+        with torch.get_device_module(kind).stream(stream):
+            hook(output)
+
+    return on_stream
 
 
 def _count_backward(record: FullyShardState) -> FullyShardState:

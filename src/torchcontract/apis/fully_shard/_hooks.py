@@ -18,6 +18,7 @@ update, so it neither breaks its graph on them nor specialises on a parameter.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Final, TypeVar, cast
 
@@ -27,13 +28,20 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils import _pytree as pytree
 
-from torchcontract import IncompatibleAPIError, module_label, named_tree, torch_registry
+from torchcontract import (
+    AlreadyManagedError,
+    ContractError,
+    IncompatibleAPIError,
+    module_label,
+    named_tree,
+    torch_registry,
+)
 
 from .. import _torch
-from ._group import ALL_GROUPS, ParamGroup, Phase, Root
+from ._group import ALL_GROUPS, ParamGroup, Phase, Root, root_names
 from ._state import FullyShardState
 
-__all__ = ["ForwardHooks", "in_backward"]
+__all__ = ["ForwardHooks", "grad_tensors", "in_backward"]
 
 _Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -86,8 +94,9 @@ class ForwardHooks:
         if group.is_root and root is not None:
             root.start_iteration()
             if not root.materialized:  # every group, before any of the model's compute
-                for member in root.groups:
-                    member.check_materialized()
+                for member in root.groups:  # FSDP2's lazy init of each group, in its order
+                    member.adopt_replaced()
+                    member.check_materialized(module)
                 root.materialized = True
         group.phase = Phase.FORWARD
         group.unshard()
@@ -115,9 +124,8 @@ class ForwardHooks:
             group.root.record_post_forward(group)
         group.phase = Phase.IDLE
         if torch.is_grad_enabled():
-            for leaf in pytree.tree_leaves(output):
-                if isinstance(leaf, Tensor) and leaf.requires_grad:
-                    _torch.register_tensor_hook(leaf, group.pre_backward)
+            for tensor in grad_tensors(output):
+                _torch.register_tensor_hook(tensor, group.pre_backward)
         return output if policy is not None and policy.output_dtype is not None else None
 
 
@@ -136,6 +144,41 @@ def _cast(tree: _Tree, dtype: torch.dtype | None) -> _Tree:
     return cast(_Tree, pytree.tree_unflatten(cast_leaves, spec))
 
 
+def grad_tensors(tree: object) -> list[Tensor]:
+    """The tensors requiring grad in ``tree``, found as FSDP2 finds them in a module's output.
+
+    FSDP2 (``collect_grad_tensors``) looks inside dicts, lists, tuples (subclasses and
+    named tuples too) and dataclasses, where ``pytree`` sees an unregistered subclass
+    or dataclass as one leaf; a tensor it missed would get no pre-backward hook, and
+    backward would run on freed parameters.
+    """
+    found: list[Tensor] = []
+    stack: list[tuple[object, int]] = [(tree, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Tensor):
+            if item.requires_grad:
+                found.append(item)
+            continue
+        if depth >= _MAX_DEPTH:
+            continue
+        children: list[object]
+        if dataclasses.is_dataclass(item) and not isinstance(item, type):
+            children = [getattr(item, field.name) for field in dataclasses.fields(item)]
+        elif isinstance(item, dict):
+            children = list(cast(dict[object, object], item).values())
+        elif isinstance(item, list | tuple):
+            children = list(cast(list[object] | tuple[object, ...], item))
+        else:
+            continue
+        stack.extend((child, depth + 1) for child in reversed(children))
+    return found
+
+
+#: How deep ``grad_tensors`` looks into nested containers (FSDP2's limit).
+_MAX_DEPTH: Final = 128
+
+
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward in this thread (as FSDP2's ``is_bw``)."""
     return torch._C._current_graph_task_id() != -1
@@ -146,7 +189,13 @@ def _count_forward(record: FullyShardState) -> FullyShardState:
 
 
 def _become_root(group: ParamGroup) -> None:
-    """Lazy init: ``group`` runs forward first, so it is the root of the groups inside it."""
+    """Lazy init: ``group`` runs forward first, so it is the root of the groups inside it.
+
+    Refuses, as FSDP2's lazy init, with ``ContractError`` (a ``RuntimeError``): a
+    root of several modules (a list's application), and a root whose inner
+    applications ran forward before it (each became a root of its own).
+    """
+    _check_single_root(group)
     by_module: dict[int, ParamGroup] = {}
     for candidate in list(ALL_GROUPS):
         for module in candidate.modules():
@@ -159,11 +208,43 @@ def _become_root(group: ParamGroup) -> None:
             if other is not None and id(other) not in seen:
                 seen.add(id(other))
                 found.append(other)
+    _check_not_initialized(group, found)
     _check_no_torch_api(group)
+    _check_shared(group, found)
     root = Root(found)
     for member in found:
         member.root = root
         member.is_root = member is group
+
+
+def _check_single_root(group: ParamGroup) -> None:
+    """Refuse a list's application as the root: FSDP2 requires a single root module."""
+    modules = group.modules()
+    if len(modules) > 1:
+        labels = ", ".join(module_label(module) for module in modules[:3])
+        more = f" and {len(modules) - 3} more" if len(modules) > 3 else ""
+        raise ContractError(
+            f"fully_shard on {labels}{more}: the first forward ran through modules sharded as "
+            "one list, which would make them the root (FSDP2: FSDP requires a single root "
+            f"module but got ({labels}{more})); apply fully_shard to a module containing them "
+            "too, and run its forward"
+        )
+
+
+def _check_not_initialized(group: ParamGroup, found: list[ParamGroup]) -> None:
+    """Refuse a root whose inner applications already ran forward as roots of their own."""
+    if all(member.root is None for member in found[1:]):
+        return
+    top = group.modules()[0]
+    for fqn, module in top.named_modules():
+        member = next((each for each in found[1:] if id(module) in each.module_ids), None)
+        if member is not None and member.root is not None:
+            raise ContractError(
+                f"fully_shard on {module_label(top)}: the application on {fqn!r} ran forward "
+                "before this one, its root (FSDP state has already been lazily initialized for "
+                f"{fqn}\nFSDP requires running forward through the root module first); run the "
+                "root's forward first, or apply fully_shard to the inner module only"
+            )
 
 
 def _check_no_torch_api(group: ParamGroup) -> None:
@@ -182,6 +263,33 @@ def _check_no_torch_api(group: ParamGroup) -> None:
                         f"{fqn!r} inside {module_label(top)} (found at the first forward); "
                         "apply only one of them to this part of the model"
                     )
+
+
+def _check_shared(group: ParamGroup, found: list[ParamGroup]) -> None:
+    """Refuse a parameter two applications under the root shard (FSDP2's duplicate check).
+
+    Apply shards a parameter shared with another application's modules again, as
+    FSDP2 does; both are one user parameter, of one origin. As FSDP2, the root's
+    first forward refuses them with ``AlreadyManagedError`` (a ``ValueError``),
+    naming the second by its FQN in the root.
+    """
+    seen: set[int] = set()
+    for member in found:
+        for parameter in member.parameters:
+            if parameter.origin not in seen:
+                seen.add(parameter.origin)
+                continue
+            modules = group.modules()
+            names = root_names(modules[0]) if modules else {}
+            fqn = ParamGroup.root_fqn(parameter, names)
+            raise AlreadyManagedError(
+                f"fully_shard on {module_label(modules[0]) if modules else 'a freed module'}: "
+                f"parameter {fqn!r} is sharded by two applications of fully_shard, where the "
+                f"modules sharing it are split between them (found at the first forward); "
+                f"Parameter '{fqn}' is shared with a parameter already managed by another FSDP "
+                "group. For shared/tied parameters, use fully_shard([module_a, module_b]) to "
+                "place them in the same FSDP group."
+            )
 
 
 class _PostBackward(torch.autograd.Function):

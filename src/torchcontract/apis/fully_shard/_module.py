@@ -225,12 +225,23 @@ class FullyShardModule(FSDPModule):
         """Call ``hook(reduce_output)`` on each reduce-scatter's output, in place, as FSDP2.
 
         On a 1-D mesh (no all-reduce) FSDP2 calls it on the reduce-scatter's output;
-        so does this. ``stream`` is a CUDA stream: refused with
-        ``NotImplementedError`` (the collectives here run on the caller's stream).
+        so does this. ``stream``: the hook runs on it (in its device module's
+        ``stream`` context), after the reduce-scatter; as in FSDP2, only without
+        HSDP: with a 2-D mesh it raises ``ValueError``.
         """
-        if stream is not None:
-            _accelerator_only(self, "set_all_reduce_hook(stream=...)", "a CUDA stream")
-        _update(self, False, lambda record: attrs.evolve(record, all_reduce_hook=hook))
+        if stream is not None and _group(self).replicate_group is not None:
+            raise ValueError(
+                f"fully_shard on {_label(self)}: set_all_reduce_hook(stream=...) with a 2-D "
+                "mesh (HSDP), whose hook runs after the all-reduce (FSDP2: stream cannot be set "
+                "when using native HSDP); leave stream=None"
+            )
+        _update(
+            self,
+            False,
+            lambda record: attrs.evolve(
+                record, all_reduce_hook=hook, all_reduce_hook_stream=stream
+            ),
+        )
 
     # ----------------------------------------------------------------- accelerator only
 
@@ -330,8 +341,12 @@ class FullyShardModule(FSDPModule):
 def unshard_group(group: ParamGroup, async_op: bool) -> UnshardHandle | None:
     """Gather ``group``'s parameters now, or start to (``async_op``) and return the handle.
 
-    What both ``FullyShardModule.unshard`` and the function ``unshard`` do.
+    What both ``FullyShardModule.unshard`` and the function ``unshard`` do. Before
+    the first forward it takes the parameters assigned since apply as shards first,
+    as FSDP2's ``unshard`` runs its group's lazy init (``ParamGroup.adopt_replaced``).
     """
+    if group.root is None or not group.root.materialized:
+        group.adopt_replaced()
     group.drop_prefetch()  # gathered before any optimizer step since: gather afresh
     if not async_op:
         group.unshard()

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from torchcontract import module_label
+from torchcontract import InvalidShardDimError, module_label
 
 from ._layout import local_tensor, placement_dim
 
@@ -28,10 +28,11 @@ def shard_dim(
 ) -> int:
     """The dim ``parameter`` (named ``fqn``) is split on over ``world`` ranks.
 
-    ``target`` is the module applied to, named in errors. Raises ``TypeError`` for an answer that
-    is neither ``None`` nor a ``Shard``; ``ValueError`` for a dim out of the
-    parameter's range; ``NotImplementedError`` for a dim other than 0 that
-    ``world`` does not divide (as FSDP2).
+    ``target`` is the module applied to, named in errors. Raises ``TypeError`` for an
+    answer that is neither ``None`` nor a ``Shard``; ``InvalidShardDimError`` (a
+    ``ValueError`` and, as FSDP2 raises, an ``AssertionError``) for a dim out of the
+    parameter's range; ``NotImplementedError`` for a dim other than 0 that ``world``
+    does not divide (as FSDP2).
     """
     placement = None if placement_fn is None else placement_fn(parameter)
     if placement is None:
@@ -47,15 +48,23 @@ def shard_dim(
     ndim = parameter.dim()
     dim = given + ndim if given < 0 else given
     if not 0 <= dim < ndim:
-        raise ValueError(
-            f"{where} Shard({given}) for parameter {fqn!r} of {ndim} dims; return a "
-            f"Shard(dim) with -{ndim} <= dim < {ndim}, or None"
+        # FSDP2's AssertionError, from its own check or DTensor's for a dim still negative.
+        theirs = (
+            f"Shard dim {dim} in placements (Shard(dim={dim}),) must be normalized"
+            if dim < 0
+            else f"Shard dim {dim} is invalid for {ndim}D tensor: {parameter.shape}"
+        )
+        raise InvalidShardDimError(
+            f"{where} Shard({given}) for parameter {fqn!r} of {ndim} dims (FSDP2: {theirs}); "
+            f"return a Shard(dim) with -{ndim} <= dim < {ndim}, or None"
         )
     size = local_tensor(parameter).shape[dim]
     if dim > 0 and size % world != 0:
+        shape = local_tensor(parameter).shape
         raise NotImplementedError(
             f"{where} Shard({given}) for parameter {fqn!r}, whose dim {dim} of size {size} "
             f"does not divide over {world} ranks; only dim 0 is split unevenly (padded), as "
-            "in FSDP2: return Shard(0) or None"
+            f"in FSDP2 (FSDP does not support uneven sharding on dim {dim}: {shape} (world "
+            f"size: {world})): return Shard(0) or None"
         )
     return dim

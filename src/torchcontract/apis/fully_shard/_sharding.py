@@ -22,6 +22,7 @@ the next gather makes an unsharded parameter, and its gradient, of the new dtype
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from collections.abc import Sequence
@@ -32,13 +33,22 @@ from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from torchcontract import ReplacedParameterError
+
 from .. import _torch
 from ._layout import Layout, local_tensor
 
-__all__ = ["Location", "ManagedParameter", "as_dtensor"]
+__all__ = ["Location", "ManagedParameter", "as_dtensor", "new_origin"]
 
 #: Where a parameter is registered: a module (weakly) and the name in its ``_parameters``.
 Location = tuple["weakref.ref[nn.Module]", str]
+
+_ORIGINS = itertools.count()
+
+
+def new_origin() -> int:
+    """A new origin: what identifies the user's parameter a shard was made from (FSDP2's uid)."""
+    return next(_ORIGINS)
 
 
 class ManagedParameter:
@@ -61,9 +71,12 @@ class ManagedParameter:
         *,
         post_forward_mesh: DeviceMesh | None = None,
         layout: Layout,
+        origin: int | None = None,
     ) -> None:
         self.fqn = fqn
         self.original = weakref.ref(parameter)
+        # Two applications that shard one parameter share it; the first forward refuses them.
+        self.origin = new_origin() if origin is None else origin
         self.locations = tuple(locations)
         self.layout = layout
         self.world = mesh.size(mesh.ndim - 1)
@@ -146,6 +159,54 @@ class ManagedParameter:
         if isinstance(current, DTensor) and current.shape == self.layout.shape:
             self.sharded = current
             self.install(current)
+
+    def adopt_replaced(self, where: str) -> None:
+        """Take as the shard a parameter registered in place of ours since apply (lazy init).
+
+        FSDP2 re-reads each parameter from its first module at its lazy init
+        (``reset_sharded_param``) and shards what it finds there from then on: so
+        does this, for a ``DTensor`` of the shard's mesh, placements, shape and
+        local shape (e.g. one computed from other shards, or made with
+        ``distribute_tensor`` after ``to_empty``). Raises ``ReplacedParameterError``
+        (``where`` names the module applied to) for another tensor: one that is not
+        a ``DTensor`` (FSDP2 fails with ``AttributeError``), or laid out otherwise.
+        """
+        module = self.locations[0][0]()
+        if module is None:
+            return
+        name = self.locations[0][1]
+        current = module._parameters.get(name)
+        if current is None or current is self.sharded or current is self.unsharded:
+            return
+        fix = (
+            "assign a DTensor laid out as the shard it replaces, e.g. "
+            "nn.Parameter(distribute_tensor(full, old.device_mesh, old.placements)), or set "
+            "it before fully_shard"
+        )
+        if not isinstance(current, DTensor):
+            raise ReplacedParameterError(
+                f"fully_shard on {where}: parameter {self.fqn!r} was replaced after fully_shard "
+                f"by a {type(current).__qualname__} that is not a DTensor, so it cannot be taken "
+                "as its shard (FSDP2: 'Parameter' object has no attribute '_local_tensor'); "
+                f"{fix}"
+            )
+        layout = self.layout
+        local = current.to_local()
+        if (
+            current.device_mesh != layout.mesh
+            or tuple(current.placements) != layout.placements
+            or current.shape != layout.shape
+            or local.shape != self.shard_shape
+        ):
+            raise ReplacedParameterError(
+                f"fully_shard on {where}: parameter {self.fqn!r} was replaced after fully_shard "
+                f"by a DTensor of shape {tuple(current.shape)}, placements "
+                f"{tuple(current.placements)} and local shape {tuple(local.shape)}, where its "
+                f"shard has shape {tuple(layout.shape)}, placements {layout.placements} and "
+                f"local shape {tuple(self.shard_shape)} on its mesh; {fix}"
+            )
+        self.sharded = current
+        self.install(current)
 
     def local_shard(self) -> Tensor:
         """This rank's rows of the sharded parameter (no autograd)."""

@@ -55,3 +55,4 @@ class FullyShardState:
     reduce_scatter_unused_params: bool = False
     is_last_backward: bool = True
     all_reduce_hook: Callable[[Tensor], None] | None = None
+    all_reduce_hook_stream: object | None = None  # FSDP2's: a CUDA stream (any device's here)
