@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from torchcontract.apis import fully_shard
 from torchcontract.testing import run_distributed
@@ -49,6 +50,8 @@ SCHEDULES = (
     "ScheduleZBVZeroBubble",
 )
 DIM, BATCH, MICROBATCHES, STEPS, PP, TOLERANCE = 5, 8, 4, 3, 2, 1e-6
+#: The width with tensor parallelism: the tp ranks split it evenly.
+TP_DIM = 6
 
 pytestmark = needs_reference_fully_shard
 
@@ -56,10 +59,10 @@ pytestmark = needs_reference_fully_shard
 class Stage(nn.Module):
     """One stage: two layers, the inner one sharded on its own (sizes odd: uneven shards)."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = DIM) -> None:
         super().__init__()
-        self.inner = nn.Linear(DIM, DIM)
-        self.outer = nn.Linear(DIM, DIM)
+        self.inner = nn.Linear(width, width)
+        self.outer = nn.Linear(width, width)
 
     def forward(self, x: Tensor) -> Tensor:
         out: Tensor = self.outer(torch.tanh(self.inner(x)))
@@ -89,9 +92,14 @@ class Pipeline:
         self.last = count - 1
         self.modules: list[Stage] = []
         stages: list[PipelineStage] = []
+        tensor_parallel = "tp" in (mesh.mesh_dim_names or ())
+        self.width = TP_DIM if tensor_parallel else DIM
         for index in self.indices:
             torch.manual_seed(index)
-            module = Stage()
+            module = Stage(self.width)
+            if tensor_parallel:
+                plan = {"inner": ColwiseParallel(), "outer": RowwiseParallel()}
+                parallelize_module(module, mesh["tp"], plan)
             apply(module.inner, mesh=mesh["dp"])
             apply(module, mesh=mesh["dp"])
             self.modules.append(module)
@@ -112,8 +120,8 @@ class Pipeline:
     def step(self, step: int) -> list[float]:
         """One schedule step on this ``dp`` rank's batch; the microbatches' losses, if last."""
         generator = torch.Generator().manual_seed(100 * step + self.dp_rank)
-        inputs = torch.randn(BATCH, DIM, generator=generator)
-        target = torch.randn(BATCH, DIM, generator=generator)
+        inputs = torch.randn(BATCH, self.width, generator=generator)
+        target = torch.randn(BATCH, self.width, generator=generator)
         losses: list[Tensor] = []
         args = (inputs,) if 0 in self.indices else ()
         if self.last in self.indices:
@@ -277,6 +285,11 @@ def _job(rank: int, world_size: int, directory: str) -> Results:
     return results
 
 
+def _tensor_parallel_job(rank: int, world_size: int) -> Results:
+    mesh = init_device_mesh("cpu", (PP, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    return {name: _train(mesh, name) for name in ("Schedule1F1B", "ScheduleInterleaved1F1B")}
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[Results]:
     directory: Path = tmp_path_factory.mktemp("pipelined_checkpoint")
@@ -320,6 +333,16 @@ def test_a_pipelined_sharded_model_round_trips_through_dcp(ranks: list[Results])
         assert result["checkpoint"]["loaded_gap"] == 0.0  # into ours and into torch's
         assert result["checkpoint"]["loss_gap"] <= TOLERANCE
         assert result["checkpoint"]["sharded"]
+
+
+@pytest.mark.slow
+def test_schedules_train_stages_with_tensor_parallelism_as_torch_fully_shard() -> None:
+    """A (pp, dp, tp) mesh of 2 x 2 x 2: each stage's TP-local tensors sharded over dp."""
+    for result in run_distributed(_tensor_parallel_job, 8, timeout=400.0):
+        for name, gaps in result.items():
+            assert gaps["loss_gap"] <= TOLERANCE, name
+            assert gaps["parameter_gap"] <= TOLERANCE, name
+            assert gaps["moved"] > 1e-3, name
 
 
 @pytest.mark.slow
