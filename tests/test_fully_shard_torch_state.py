@@ -22,14 +22,19 @@ import torch.distributed as dist
 import torch.distributed.fsdp
 from torch import nn
 from torch.distributed._composable.contract import STATE_KEY
-from torch.distributed._composable_state import _get_module_state
+from torch.distributed._composable_state import (
+    _get_module_state,
+    _insert_module_state,
+    _module_state_mapping,
+)
+from torch.distributed._composable_state import _State as TorchState
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from torchcontract import contract
+from torchcontract import IncompatibleAPIError, contract
 from torchcontract.apis import _compat, fully_shard
 from torchcontract.apis.fully_shard._torch_state import (
     TorchFullyShardState,
@@ -134,15 +139,34 @@ def test_a_rolled_back_apply_leaves_nothing_for_torch_to_find(mesh: DeviceMesh) 
 
 
 def test_a_dropped_model_frees_its_state_without_the_cycle_collector(mesh: DeviceMesh) -> None:
+    gc.collect()  # earlier tests' models
+    held = len(_module_state_mapping)
     model = sharded(fully_shard, mesh)
     train_step(model)
     found = weakref.ref(state(model))
+    assert len(_module_state_mapping) == held + 2
     gc.disable()
     try:
         del model
         assert found() is None
+        assert len(_module_state_mapping) == held
     finally:
         gc.enable()
+
+
+def test_a_module_holding_torch_state_already_is_refused_and_left_unchanged(
+    mesh: DeviceMesh,
+) -> None:
+    """torch's map of states takes one state per module: refused before it would assert."""
+    model = Net()
+    theirs = TorchState()
+    _insert_module_state(model, theirs)
+    with pytest.raises(IncompatibleAPIError, match=r"fully_shard cannot be applied to Net"):
+        fully_shard(model, mesh=mesh)
+    assert type(model) is Net
+    assert _get_module_state(model) is theirs
+    assert not model.__dict__.get(STATE_KEY)
+    assert not any(isinstance(parameter, DTensor) for parameter in model.parameters())
 
 
 def test_a_pickle_carries_no_state_for_torch(mesh: DeviceMesh) -> None:
