@@ -34,8 +34,9 @@ run on the caller's stream). Any other attribute raises
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from typing import Any, Final, NoReturn, cast
+from typing import Any, NoReturn, cast
 
 import torch
 from torch import nn
@@ -86,12 +87,13 @@ def _unsupported(owner: object, name: str) -> NoReturn:
     )
 
 
+@functools.cache
 def _torch_state_key() -> object:
     """The key torch's contract files ``fully_shard``'s state under in ``module.__dict__``.
 
     The undecorated function (``fully_shard.__wrapped__``); checked against
-    ``fully_shard.state`` once, so that a release keying it otherwise fails here,
-    loudly, rather than leaving every lookup ``None``.
+    ``fully_shard.state`` at the first apply, so that a release keying it otherwise
+    fails there, loudly, rather than leaving every lookup ``None``.
     """
     key: object = getattr(torch_fully_shard, "__wrapped__", None)
     probe, marker = nn.Module(), TorchState()
@@ -104,9 +106,6 @@ def _torch_state_key() -> object:
             "state cannot find fully_shard's. Use a torch release torchcontract supports"
         )
     return key
-
-
-_KEY: Final = _torch_state_key()
 
 
 class TorchParamGroup:
@@ -287,19 +286,21 @@ def install_torch_state(group: ParamGroup, targets: Sequence[nn.Module]) -> None
                 f"{module_label(target)}: one of torch's composable APIs (its fully_shard or "
                 "replicate) holds state on it already; apply only one of them to this module"
             )
+    key = _torch_state_key()
     state = TorchFullyShardState(group)
     for target in targets:
-        target.__dict__.setdefault(STATE_KEY, {})[_KEY] = state
+        target.__dict__.setdefault(STATE_KEY, {})[key] = state
         _insert_module_state(target, state)
     on_rollback(lambda: remove_torch_state(targets))
 
 
 def remove_torch_state(targets: Sequence[nn.Module]) -> None:
     """Take the state ``install_torch_state`` put on ``targets`` out of both places."""
+    key = _torch_state_key()
     for target in targets:
         states = target.__dict__.get(STATE_KEY)
-        if isinstance(states, dict) and isinstance(states.get(_KEY), TorchFullyShardState):
-            del states[_KEY]
+        if isinstance(states, dict) and isinstance(states.get(key), TorchFullyShardState):
+            del states[key]
             if not states:
                 del target.__dict__[STATE_KEY]
             _module_state_mapping.pop(target, None)
@@ -315,8 +316,9 @@ def without_torch_state(reduced: object) -> object:
         return reduced
     state = dict(reduced[2])  # nn.Module's __getstate__ copies __dict__, not what it holds
     states = state.get(STATE_KEY)
-    if isinstance(states, dict) and _KEY in states:
-        kept = {key: value for key, value in states.items() if key is not _KEY}
+    ours = _torch_state_key()
+    if isinstance(states, dict) and ours in states:
+        kept = {key: value for key, value in states.items() if key is not ours}
         if kept:
             state[STATE_KEY] = kept
         else:
@@ -329,7 +331,7 @@ def torch_state_of(group: ParamGroup) -> TorchFullyShardState | None:
     for module in group.modules():
         states = module.__dict__.get(STATE_KEY)
         if isinstance(states, dict):
-            state = states.get(_KEY)
+            state = states.get(_torch_state_key())
             if isinstance(state, TorchFullyShardState) and state.group is group:
                 return state
     return None
