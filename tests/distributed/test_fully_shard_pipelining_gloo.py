@@ -48,6 +48,7 @@ SCHEDULES = (
     "ScheduleLoopedBFS",
     "ScheduleInterleavedZeroBubble",
     "ScheduleZBVZeroBubble",
+    "ScheduleDualPipeV",
 )
 DIM, BATCH, MICROBATCHES, STEPS, PP, TOLERANCE = 5, 8, 4, 3, 2, 1e-6
 #: The width with tensor parallelism: the tp ranks split it evenly.
@@ -78,7 +79,7 @@ def _stage_indices(name: str, pp_rank: int) -> list[int]:
     schedule = getattr(schedules, name)
     if not issubclass(schedule, schedules.PipelineScheduleMulti):
         return [pp_rank]
-    if name == "ScheduleZBVZeroBubble":
+    if name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
         return [pp_rank, 2 * PP - 1 - pp_rank]
     return [pp_rank, pp_rank + PP]
 
