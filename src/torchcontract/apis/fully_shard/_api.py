@@ -63,6 +63,7 @@ from ._sharding import Location, ManagedParameter, new_origin
 from ._spmd import DataParallelDims, data_parallel_dims, spmd_layout
 from ._state import FullyShardState
 from ._state_dict import register_state_dict_hooks
+from ._torch_state import install_torch_state
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import DataParallelMeshDims
@@ -657,6 +658,7 @@ def fully_shard(
     ALL_GROUPS.add(group)
     MANAGED.add(group)
     on_rollback(_Undo(group, [item.parameter for item in found], handles, targets))
+    install_torch_state(group, targets)  # where torch's code finds FSDP2's state
     for target in targets:
         target.__class__ = fully_shard_class(type(target))
     fully_shard.update(

@@ -46,7 +46,7 @@ from ._state import FullyShardState
 if TYPE_CHECKING:
     from torchcontract import Contract
 
-__all__ = ["ALL_GROUPS", "ParamGroup", "Phase", "Root", "root_names"]
+__all__ = ["ALL_GROUPS", "ParamGroup", "Phase", "Root", "finish_backward", "root_names"]
 
 
 def root_names(root: nn.Module) -> dict[int, str]:
@@ -464,23 +464,33 @@ class _Finish:
 
     def __call__(self) -> None:
         root = self._root()
-        if root is None:
-            return
-        try:
-            for group in reversed(root.groups):
-                if group.phase is not Phase.POST_BACKWARD:
-                    # Inputs that need no gradient (token ids) never trigger it.
-                    group.post_backward()
-        finally:
-            root.callback_queued = False
-            root.post_forward = []
-            for group in root.groups:
-                group.drop_prefetch()
-                group.post_forward_indices.clear()
-                group.phase = Phase.IDLE
-                if group.reduced:
-                    group.reduced = False
-                    group.update(_count_backward)
+        if root is not None:
+            finish_backward(root)
+
+
+def finish_backward(root: Root) -> None:
+    """End a backward of ``root``'s groups: late post-backwards, phases reset, records counted.
+
+    What the callback queued at each backward's start runs when autograd's backward
+    ends; pipelining's schedules call it again after their own last post-backward
+    (FSDP2's ``_root_post_backward_final_callback``), when it finds nothing left to do
+    but the counting.
+    """
+    try:
+        for group in reversed(root.groups):
+            if group.phase is not Phase.POST_BACKWARD:
+                # Inputs that need no gradient (token ids) never trigger it.
+                group.post_backward()
+    finally:
+        root.callback_queued = False
+        root.post_forward = []
+        for group in root.groups:
+            group.drop_prefetch()
+            group.post_forward_indices.clear()
+            group.phase = Phase.IDLE
+            if group.reduced:
+                group.reduced = False
+                group.update(_count_backward)
 
 
 #: Every live group, for the root to find the groups inside it and for apply to

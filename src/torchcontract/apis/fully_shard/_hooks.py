@@ -41,7 +41,7 @@ from .. import _torch
 from ._group import ALL_GROUPS, ParamGroup, Phase, Root, root_names
 from ._state import FullyShardState
 
-__all__ = ["ForwardHooks", "grad_tensors", "in_backward"]
+__all__ = ["ForwardHooks", "become_root", "grad_tensors", "in_backward"]
 
 _Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -89,7 +89,7 @@ class ForwardHooks:
             group.unshard()
             return args, kwargs
         if group.root is None:
-            _become_root(group)
+            become_root(group)
         root = group.root
         if group.is_root and root is not None:
             root.start_iteration()
@@ -188,7 +188,7 @@ def _count_forward(record: FullyShardState) -> FullyShardState:
     return attrs.evolve(record, forwards=record.forwards + 1)
 
 
-def _become_root(group: ParamGroup) -> None:
+def become_root(group: ParamGroup) -> None:
     """Lazy init: ``group`` runs forward first, so it is the root of the groups inside it.
 
     Refuses, as FSDP2's lazy init, with ``ContractError`` (a ``RuntimeError``): a

@@ -36,11 +36,11 @@ from torchcontract import ContractError, NotAppliedError, module_label
 
 from .. import _compat
 from .._swapped_class import original_class, reduce_as_original, restore_class, swapped_class
-from ._group import ParamGroup, Phase
-from ._hooks import ForwardHooks, in_backward
+from ._group import ParamGroup
 from ._managed import MANAGED
 from ._prefetch import set_modules_to_backward_prefetch, set_modules_to_forward_prefetch
 from ._state import FullyShardState
+from ._torch_state import torch_state_of, without_torch_state
 
 __all__ = ["FullyShardModule", "fully_shard_class", "restore_class", "unshard_group"]
 
@@ -307,12 +307,18 @@ class FullyShardModule(FSDPModule):
 
     # ----------------------------------------------------------------- torch's plumbing
 
-    def _get_fsdp_state(self) -> Any:
-        """What ``register_fsdp_forward_method`` calls: our forward hooks, as FSDP2's state."""
-        group = _group(self)
-        record = group.record()
-        policy = record.mp_policy if record is not None else None
-        return _ForwardMethodState(ForwardHooks(group, policy))
+    def _get_fsdp_state(self) -> Any:  # FSDPState in torch: ours is TorchFullyShardState
+        """The state torch's code reads as FSDP2's (``_torch_state``).
+
+        ``register_fsdp_forward_method`` and ``share_comm_ctx`` call this.
+        """
+        state = torch_state_of(_group(self))
+        if state is None:
+            raise NotAppliedError(
+                f"fully_shard on {_label(self)}: the state torch's code reads is gone "
+                "(its class was set by hand); apply fully_shard to it"
+            )
+        return state
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # Resharded first, as FSDP2's: a cast or move reaches the shards, and parameters()
@@ -334,8 +340,10 @@ class FullyShardModule(FSDPModule):
         )
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        """Pickles are of the original class (their hooks stand aside)."""
-        return reduce_as_original(cast(nn.Module, self), super().__reduce_ex__(protocol))
+        """Pickles are of the original class (their hooks stand aside), without torch's state."""
+        return without_torch_state(
+            reduce_as_original(cast(nn.Module, self), super().__reduce_ex__(protocol))
+        )
 
 
 def unshard_group(group: ParamGroup, async_op: bool) -> UnshardHandle | None:
@@ -364,36 +372,6 @@ class _PendingUnshard(UnshardHandle):
 
     def wait(self) -> None:
         self._group.unshard()
-
-
-class _ForwardMethodState:
-    """FSDP2's ``FSDPState`` as ``register_fsdp_forward_method`` uses it: two calls, no fields.
-
-    A registered method (``generate``) that runs the module's forward inside it ends
-    with the parameters resharded, the root's too, as FSDP2's: its post-forward then
-    finds the group idle (the inner forward ended it) and frees the parameters in
-    full. Kept registered, they would be what ``parameters()`` lists, so an
-    optimizer built next would hold plain tensors and never update the shards.
-    """
-
-    __slots__ = ("_hooks",)
-
-    def __init__(self, hooks: ForwardHooks) -> None:
-        self._hooks = hooks
-
-    def _pre_forward(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        result = self._hooks.before(module, args, kwargs)
-        return (args, kwargs) if result is None else result
-
-    def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: object) -> object:
-        group = self._hooks.group_for(module)
-        nested = group is not None and group.phase is Phase.IDLE  # a forward ran inside
-        result = self._hooks.after(module, args, output)
-        if nested and group is not None and not in_backward():
-            group.reshard()
-        return output if result is None else result
 
 
 def fully_shard_class(cls: type[nn.Module]) -> type[nn.Module]:
