@@ -7,11 +7,13 @@ The numbers, against DistributedDataParallel on 2 gloo ranks, are in
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
+from torchcontract import UnusedParameterError
 from torchcontract.apis import _compat, replicate
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
@@ -91,3 +93,42 @@ def test_bucket_cap_mb_list_is_refused_where_ddp_lacks_it(monkeypatch: pytest.Mo
     monkeypatch.setattr(_compat, "DDP_KEYWORDS", _compat.DDP_KEYWORDS - {"bucket_cap_mb_list"})
     with pytest.raises(TypeError, match=r"bucket_cap_mb_list= is a keyword of a newer"):
         replicate(nn.Linear(2, 2), bucket_cap_mb_list=[1.0])
+
+
+def test_gradients_no_backward_accumulated_are_named_at_the_next_forward() -> None:
+    """torch.autograd.grad through the outputs (as zero-bubble pipeline schedules compute
+    input gradients) accumulates nothing replicate could average: DDP's error, explained."""
+    model = replicate(nn.Linear(2, 2))
+    x = torch.randn(3, 2, requires_grad=True)
+    torch.autograd.grad(model(x).sum(), x)
+    with pytest.raises(UnusedParameterError) as raised:
+        model(x)
+    message = str(raised.value)
+    assert message.startswith("Expected to have finished reduction in the prior iteration")
+    assert "replicate on Linear got no gradient at all" in message
+    assert "torch.autograd.grad" in message
+    assert "zero-bubble pipeline schedule" in message
+    assert "no_sync(module)" in message
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(2, 2)
+        self.skipped = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.used(x)
+        return out
+
+
+def test_the_unused_parameter_error_waits_for_a_forward_with_grad_as_ddps() -> None:
+    model = replicate(_Branchy())
+    x = torch.randn(3, 2)
+    model(x).sum().backward()
+    with torch.no_grad():
+        model(x)  # DDP checks only before a forward with grad enabled
+    with pytest.raises(UnusedParameterError, match=r"got no gradient for 'skipped.weight'"):
+        model(x)
+    with pytest.raises(UnusedParameterError):
+        model(x)  # and keeps raising, as DDP's

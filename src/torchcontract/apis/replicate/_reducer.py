@@ -536,14 +536,28 @@ class Reducer:
         ]
         if not missing:
             return None
+        ddp = (
+            "Expected to have finished reduction in the prior iteration before starting a "
+            "new one. This error indicates that your module has parameters that were not "
+            "used in producing loss: "
+        )
+        if len(missing) == len(self._names):
+            # Not one gradient accumulated: the backward computed them without accumulating
+            # (torch.autograd.grad, backward(inputs=...), a pipeline schedule that splits
+            # the backward into its input and weight parts).
+            return UnusedParameterError(
+                f"{ddp}{self._where()} got no gradient at all in the last synchronizing "
+                "backward through its outputs: gradients that torch.autograd.grad, "
+                "backward(inputs=...) or a zero-bubble pipeline schedule compute are not "
+                "accumulated, so replicate cannot average them; run such forwards under "
+                "no_sync(module) or rank_local(module), or call loss.backward()"
+            )
         shown = ", ".join(repr(name) for name in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         return UnusedParameterError(
-            "Expected to have finished reduction in the prior iteration before starting a "
-            "new one. This error indicates that your module has parameters that were not "
-            f"used in producing loss: {self._where()} got no gradient for {shown}{more} in "
-            "the last synchronizing backward; pass find_unused_parameters=True to replicate, "
-            "or make every parameter take part in the loss"
+            f"{ddp}{self._where()} got no gradient for {shown}{more} in the last "
+            "synchronizing backward; pass find_unused_parameters=True to replicate, or make "
+            "every parameter take part in the loss"
         )
 
     def _used_everywhere(self, results: list[tuple[int, Tensor]]) -> list[bool]:
