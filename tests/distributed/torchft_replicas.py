@@ -234,7 +234,7 @@ def _train(start: _Start) -> RankReport:
 def _rank_main(start: _Start, writer: Connection) -> None:
     torch.set_num_threads(1)
     # Where a rank hangs, on its stderr, before the parent gives up on it.
-    faulthandler.dump_traceback_later(2 * start.plan.timeout, exit=False)
+    faulthandler.dump_traceback_later(1.5 * start.plan.timeout, exit=False)
     try:
         report = _train(start)
     except BaseException as error:  # reported, not raised: the parent decides
