@@ -27,7 +27,8 @@ class MLP(nn.Module):
         self.up, self.down = nn.Linear(8, 32), nn.Linear(32, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.relu(self.up(x)))
+        out: torch.Tensor = self.down(torch.relu(self.up(x)))
+        return out
 
 
 def main() -> None:
@@ -40,12 +41,16 @@ def main() -> None:
         fully_shard(block, mesh=mesh["dp"])  # each TP-local tensor sharded over dp
     fully_shard(model, mesh=mesh["dp"])
 
-    up, down = model[0].up.weight, model[0].down.weight
-    assert isinstance(up, DTensor) and isinstance(down, DTensor)
+    first = model[0]
+    assert isinstance(first, MLP)
+    up, down = first.up.weight, first.down.weight
+    assert isinstance(up, DTensor)
+    assert isinstance(down, DTensor)
     assert up.device_mesh.mesh_dim_names == ("dp", "tp")
     assert str(up.placements) == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"  # rows: tp, then dp
     assert down.placements == (Shard(0), Shard(1))
-    assert up.to_local().shape == (8, 8) and down.to_local().shape == (4, 16)  # a quarter each
+    assert up.to_local().shape == (8, 8)  # a quarter each
+    assert down.to_local().shape == (4, 16)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     # The ranks of one tp group see the same batch; the dp groups see their own.
@@ -53,7 +58,7 @@ def main() -> None:
     inputs, targets = torch.randn(4, 8, generator=generator), torch.zeros(4, 8)
     for step in range(STEPS):
         loss = nn.functional.mse_loss(model(inputs), targets)
-        loss.backward()  # gathers and reduce-scatters over dp only
+        torch.autograd.backward(loss)  # gathers and reduce-scatters over dp only
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # over the 2-D shards
         optimizer.step()
         optimizer.zero_grad()

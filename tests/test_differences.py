@@ -170,7 +170,8 @@ def _dp_mesh_dims_replicate_only() -> Call:
 
 def _torch_state_internals() -> Call:
     model = fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (1,)))
-    group: Any = torch_fully_shard.state(model)._fsdp_param_group
+    lookup: Any = torch_fully_shard
+    group: Any = lookup.state(model)._fsdp_param_group
     return lambda: group.fsdp_params
 
 
@@ -235,7 +236,8 @@ def test_a_probed_difference_holds(row: Difference) -> None:
         # Ours exactly; PyTorch's or Python's type where ours is a private subclass.
         assert type(raised.value) is row.raises or not _ours(row.raises)
         return
-    assert call is not None and row.raises is not None
+    assert call is not None
+    assert row.raises is not None
     with pytest.raises(row.raises) as raised:
         call()
     assert type(raised.value) is row.raises
@@ -297,8 +299,9 @@ def test_a_keyword_ours_takes_that_this_torch_lacks_has_a_minimum_torch(api: str
 def test_a_keyword_not_taken_is_a_type_error(row: Keyword) -> None:
     assert row.api == "replicate"
     model = nn.Linear(2, 2)
+    keywords: dict[str, Any] = {row.name: None}
     with pytest.raises(TypeError, match=row.name):
-        replicate(model, **{row.name: None})
+        replicate(model, **keywords)
     assert not replicate.is_applied(model)
 
 
@@ -317,7 +320,7 @@ def _gate_open(row: MinimumTorch) -> bool:
 @pytest.mark.parametrize("row", MINIMUM_TORCH, ids=lambda row: row.keyword)
 def test_the_minimum_torch_is_the_version_gate(row: MinimumTorch) -> None:
     assert row.torch > OLDEST_TORCH
-    if _compat.TORCH_VERSION >= row.torch:
+    if row.torch <= _compat.TORCH_VERSION:
         assert _gate_open(row)
     elif _compat.TORCH_VERSION in TESTED_RELEASES:
         assert not _gate_open(row)
@@ -327,14 +330,15 @@ def _gated_call(row: MinimumTorch, mesh: DeviceMesh) -> object:
     if row.keyword == "dp_mesh_dims":
         named = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
         model = distribute_module(nn.Linear(2, 2), named)
-        dims: object = None
+        dims: Any = None
         if _compat.DATA_PARALLEL_MESH_DIMS is not None:
             dims = _compat.DATA_PARALLEL_MESH_DIMS(shard="dp")
         else:  # what a user of a newer torch's class would pass
             dims = type("DataParallelMeshDims", (), {"shard": "dp", "replicate": None})()
-        return fully_shard(model, mesh=named, dp_mesh_dims=dims)  # type: ignore[arg-type]
-    value = {"bucket_cap_mb_list": [1.0, 2.0], "init_sync": False}[row.keyword]
-    return replicate(nn.Linear(2, 2), **{row.keyword: value})
+        return fully_shard(model, mesh=named, dp_mesh_dims=dims)
+    values: dict[str, Any] = {"bucket_cap_mb_list": [1.0, 2.0], "init_sync": False}
+    keywords: dict[str, Any] = {row.keyword: values[row.keyword]}
+    return replicate(nn.Linear(2, 2), **keywords)
 
 
 @pytest.mark.parametrize("row", MINIMUM_TORCH, ids=lambda row: row.keyword)
@@ -393,4 +397,3 @@ def test_a_rendered_table_names_the_exception_each_refusal_raises() -> None:
     for row in DIFFERENCES:
         if row.raises is not None:
             assert f"`{row.raises.__name__}`" in table
-

@@ -14,7 +14,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from differences import render  # noqa: E402
+from differences import render
 
 #: A marker on a line of its own, e.g. ``<!-- keywords: replicate -->``.
 MARKER = re.compile(r"^<!-- ((?:differences|keywords): \w+|minimum torch) -->$", re.M)
