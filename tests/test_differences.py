@@ -363,6 +363,20 @@ def test_a_gated_feature_works_where_the_gate_is_open_and_is_a_type_error_elsewh
             _gated_call(row, one_rank)
 
 
+def test_a_docstring_naming_a_keywords_torch_release_names_the_minimum_torch() -> None:
+    # The API reference renders the docstrings: "bucket_cap_mb_list: As DDP's (torch 2.13 on".
+    minimum = {row.keyword: row.torch for row in MINIMUM_TORCH}
+    found = {
+        match[1]: (int(match[2]), int(match[3]))
+        for api in (fully_shard, replicate)
+        for match in re.finditer(
+            r"^ +(\w+): [^\n]*\(torch (\d+)\.(\d+) on", inspect.getdoc(api) or "", re.M
+        )
+    }
+    assert found
+    assert {keyword: minimum.get(keyword) for keyword in found} == found
+
+
 def test_the_oldest_torch_is_the_one_compat_and_the_package_name() -> None:
     assert OLDEST_TORCH == _compat.OLDEST_TESTED == TESTED_RELEASES[0]
     requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
