@@ -125,14 +125,6 @@ DIFFERENCES: Final = (
     ),
     Difference(
         "fully_shard",
-        "A list whose modules nest",
-        "only the outer modules become `FSDPModule`s",
-        "every module of the list does",
-        "The inner modules do not hold the group. Call the methods on the outer ones.",
-        "probe:nested_list",
-    ),
-    Difference(
-        "fully_shard",
         "A list's group in forward",
         "gathered before each module's forward, freed after it",
         "gathered once, freed after the last module's forward",

@@ -70,13 +70,6 @@ def _no_process_group() -> Call:
     return lambda: fully_shard(nn.Linear(2, 2))
 
 
-def _nested_list() -> None:
-    outer = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    fully_shard([outer, outer[0]], mesh=init_device_mesh("cpu", (1,)))
-    assert isinstance(outer, FSDPModule)
-    assert not isinstance(outer[0], FSDPModule)
-
-
 def _resharded_after_first(api: Callable[..., object]) -> bool:
     """Whether the first module of a grouped list holds its shards again after its forward."""
     first, second = nn.Linear(2, 2), nn.Linear(2, 2)
@@ -116,6 +109,8 @@ def _accelerator_methods() -> Call:
     ]
     assert all(f"`{name}`" in row.what for name in _ACCELERATOR_ARGUMENTS)
     assert row.what.count("`set_") == len(_ACCELERATOR_ARGUMENTS)
+    if _compat.REFERENCE_FULLY_SHARD_ON_CPU:  # they are FSDP2's methods
+        assert all(hasattr(FSDPModule, name) for name in _ACCELERATOR_ARGUMENTS)
     for method, arguments in calls[:-1]:
         with pytest.raises(NotImplementedError, match="not supported"):
             method(*arguments)
@@ -131,6 +126,10 @@ def _int_reshard_with_shard_1() -> Call:
     def on_dim_1(parameter: nn.Parameter) -> Shard | None:
         return Shard(1) if parameter.dim() == 2 else None
 
+    if _compat.REFERENCE_FULLY_SHARD_ON_CPU:  # FSDP2 takes it
+        torch_fully_shard(
+            nn.Linear(4, 4), mesh=mesh, reshard_after_forward=2, shard_placement_fn=on_dim_1
+        )
     return lambda: fully_shard(
         nn.Linear(4, 4), mesh=mesh, reshard_after_forward=2, shard_placement_fn=on_dim_1
     )
@@ -140,6 +139,9 @@ def _int_reshard_with_tensor_parallel() -> Call:
     dist.destroy_process_group()
     _fake_ranks(8)
     mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+    if _compat.REFERENCE_FULLY_SHARD_ON_CPU:  # FSDP2's apply takes it (its forward refuses)
+        theirs = parallelize_module(nn.Linear(4, 4), mesh["tp"], ColwiseParallel())
+        torch_fully_shard(theirs, mesh=mesh["dp"], reshard_after_forward=2)
     linear = parallelize_module(nn.Linear(4, 4), mesh["tp"], ColwiseParallel())
     return lambda: fully_shard(linear, mesh=mesh["dp"], reshard_after_forward=2)
 
@@ -164,6 +166,8 @@ def _data_parallel_mesh_dims() -> Any:
 def _dp_mesh_dims_replicate_only() -> Call:
     dims = _data_parallel_mesh_dims()(replicate="dp")
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    if _compat.REFERENCE_FULLY_SHARD_ON_CPU:  # FSDP2 takes it
+        torch_fully_shard(distribute_module(nn.Linear(2, 2), mesh), mesh=mesh, dp_mesh_dims=dims)
     model = distribute_module(nn.Linear(2, 2), mesh)
     return lambda: fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
 
@@ -195,7 +199,6 @@ PROBES: dict[str, Probe] = {
     "int_reshard_with_shard_1": _int_reshard_with_shard_1,
     "int_reshard_with_tensor_parallel": _int_reshard_with_tensor_parallel,
     "list_reshards_after_each_module": _list_reshards_after_each_module,
-    "nested_list": _nested_list,
     "no_process_group": _no_process_group,
     "no_wrapper": _no_wrapper,
     "rank_local": _rank_local,
