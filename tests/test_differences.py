@@ -36,6 +36,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchcontract.apis import _compat, fully_shard, rank_local, replicate
@@ -183,6 +184,8 @@ def _no_wrapper() -> None:
     model = replicate(nn.Linear(2, 2))
     assert set(model.state_dict()) == {"weight", "bias"}
     assert not hasattr(model, "module")
+    wrapped = DistributedDataParallel(nn.Linear(2, 2))  # DDP's keys gain the prefix
+    assert set(wrapped.state_dict()) == {"module.weight", "module.bias"}
 
 
 def _rank_local() -> None:
