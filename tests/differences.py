@@ -165,9 +165,10 @@ DIFFERENCES: Final = (
     Difference(
         "fully_shard",
         "`offload_policy=CPUOffloadPolicy()` on an accelerator mesh",
-        "refused (accepted on a CPU mesh, where it changes nothing)",
+        "refused",
         "keeps shards, gradients and the optimizer step on CPU",
-        "Not implemented. Use `OffloadPolicy()` on an accelerator mesh.",
+        "Not implemented. Use `OffloadPolicy()` there. On a CPU mesh it is taken, and changes "
+        "nothing: the shards are on CPU already.",
         "tests/test_fully_shard_module.py::test_cpu_offload_on_an_accelerator_mesh_is_refused",
         NotImplementedError,
     ),
