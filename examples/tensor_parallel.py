@@ -1,3 +1,5 @@
+# torch leaves manual_seed's seed and the optimizer's step() partly unannotated.
+# pyright: reportUnknownMemberType=false
 """Tensor parallelism under fully_shard: 4 CPU processes, a (dp, tp) mesh of 2 x 2.
 
 Run: ``torchrun --standalone --nproc-per-node 4 examples/tensor_parallel.py``. Each
