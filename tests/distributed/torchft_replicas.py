@@ -102,7 +102,11 @@ def _wrap(kind: str, model: nn.Sequential, manager: Manager, ranks: int) -> nn.M
     if kind == "replicate":
         from torchcontract.apis import replicate
 
-        replicated = replicate(model, process_group=ProcessGroupDummy(0, 1))
+        # find_unused_parameters=True, as torchft's DistributedDataParallel passes it: the
+        # buckets are then never rebuilt, so a recovering replica's equal its peers'.
+        replicated = replicate(
+            model, process_group=ProcessGroupDummy(0, 1), find_unused_parameters=True
+        )
         # The hook torchft's DistributedDataParallel registers: an all-reduce through
         # the manager, averaged over the replica groups that take part in the step.
         cast(ReplicateModule, replicated).register_comm_hook(
