@@ -122,9 +122,7 @@ def train(rank: int, world_size: int, settings: Settings) -> Outcome:
             + comparison_line("gradients matched DistributedDataParallel's on the first step", run)
         )
     losses = run.losses or (run.final.loss,)
-    return Outcome(
-        losses[0], losses[-1], run.gap, run.final_line, run.resumed_from, run.digest
-    )
+    return Outcome(losses[0], losses[-1], run.gap, run.final_line, run.resumed_from, run.digest)
 
 
 def _strings(value: object) -> list[str]:
