@@ -117,7 +117,7 @@ def _train(model: nn.Module) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _at_rest(apply: Callable[[nn.Module], object]) -> int:
+def _at_rest(apply: Callable[[nn.Sequential], object]) -> int:
     """The bytes one rank holds after building, applying and training a model."""
     before = _live_bytes()
     model = _model()
@@ -130,8 +130,8 @@ def _at_rest(apply: Callable[[nn.Module], object]) -> int:
 
 def _sharded(
     mesh: DeviceMesh, reshard_after_forward: bool | int | None = None
-) -> Callable[..., None]:
-    def apply(model: nn.Module) -> None:
+) -> Callable[[nn.Sequential], None]:
+    def apply(model: nn.Sequential) -> None:
         for layer in (model[0], model[2]):
             fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
@@ -193,7 +193,11 @@ def _held_after_forward(mesh: DeviceMesh, reshard_after_forward: bool | int | No
     model = _model()
     _sharded(mesh, reshard_after_forward)(model)
     _train(model)
-    shards = {parameter.to_local().untyped_storage().data_ptr() for parameter in model.parameters()}
+    shards = {
+        parameter.to_local().untyped_storage().data_ptr()
+        for parameter in model.parameters()
+        if isinstance(parameter, DTensor)
+    }
     output = model(torch.randn(8, 64))
     held: dict[int, int] = {}
     for parameter in model.parameters():
