@@ -95,11 +95,16 @@ P_ROOT: Final = sum(parameter.numel() for parameter in _model()[4].parameters())
 
 
 def _live_bytes() -> int:
-    """The bytes of every live CPU tensor storage, each storage once."""
+    """The bytes of every live CPU tensor storage, each storage once.
+
+    Plain tensors and parameters only: a DTensor's local tensor is one of them, and
+    subclasses without storage (fake tensors other tests' compilations left) are skipped.
+    """
     gc.collect()
     storages: dict[int, int] = {}
     for item in gc.get_objects():
-        if isinstance(item, torch.Tensor) and not isinstance(item, DTensor):
+        if type(item) in (torch.Tensor, nn.Parameter):
+            assert isinstance(item, torch.Tensor)
             if item.device.type != "cpu" or item.is_sparse:
                 continue
             storage = item.untyped_storage()
