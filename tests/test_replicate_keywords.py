@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from torchcontract import UnusedParameterError
 from torchcontract.apis import _compat, replicate
+from torchcontract.apis.replicate import ReplicateModule, manager_allreduce_hook
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
 
@@ -132,3 +133,46 @@ def test_the_unused_parameter_error_waits_for_a_forward_with_grad_as_ddps() -> N
         model(x)
     with pytest.raises(UnusedParameterError):
         model(x)  # and keeps raising, as DDP's
+
+
+class _Reduced:
+    """torchft's work and future, as far as the hook reads them: the tensor halved."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.waited = False
+
+    def wait(self) -> torch.Tensor:
+        self.waited = True
+        return self.tensor
+
+    def get_future(self) -> _Reduced:
+        assert self.waited, "torchft's future is read only after the work ended"
+        return self
+
+
+class _HalvingManager:
+    """A stand-in for torchft's Manager: an 'average' over two replica groups, one silent."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def allreduce(self, tensor: torch.Tensor, /) -> _Reduced:
+        self.calls += 1
+        return _Reduced(tensor / 2)
+
+
+def test_the_manager_hook_averages_each_bucket_through_the_manager() -> None:
+    model = replicate(nn.Linear(2, 2), find_unused_parameters=True)
+    assert isinstance(model, ReplicateModule)
+    manager = _HalvingManager()
+    model.register_comm_hook(manager, manager_allreduce_hook)
+    reference = nn.Linear(2, 2)
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(3, 2)
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    assert manager.calls == 1  # one bucket
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert ours.grad is not None and theirs.grad is not None
+        assert torch.equal(ours.grad, theirs.grad / 2)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._C._distributed_c10d import TCPStore
 
-from torchcontract.apis.replicate import ReplicateModule
+from torchcontract.apis.replicate import ReplicateModule, manager_allreduce_hook
 from torchcontract.testing import free_port
 
 if TYPE_CHECKING:
@@ -107,11 +107,9 @@ def _wrap(kind: str, model: nn.Sequential, manager: Manager, ranks: int) -> nn.M
         replicated = replicate(
             model, process_group=ProcessGroupDummy(0, 1), find_unused_parameters=True
         )
-        # The hook torchft's DistributedDataParallel registers: an all-reduce through
-        # the manager, averaged over the replica groups that take part in the step.
-        cast(ReplicateModule, replicated).register_comm_hook(
-            manager, FTDistributedDataParallel._comm_hook
-        )
+        # What torchft's DistributedDataParallel registers, under a public name: an
+        # all-reduce through the manager, averaged over the replica groups in the step.
+        cast(ReplicateModule, replicated).register_comm_hook(manager, manager_allreduce_hook)
         return replicated
     from torch.distributed.device_mesh import init_device_mesh
 

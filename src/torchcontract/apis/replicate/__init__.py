@@ -7,7 +7,8 @@ instead of a wrapper module. The frozen record (``ReplicateState``, in
 parameters are reduced together; ``_outputs`` finds the tensors in a forward's
 output; ``_same_model`` checks at apply that every rank holds the same model;
 ``_module`` the class the module becomes (``ReplicateModule``: DDP's methods),
-``_join`` its Join hook, ``_comm_hook`` the communication-hook contract;
+``_join`` its Join hook, ``_comm_hook`` the communication-hook contract,
+``_manager_hook`` a hook that averages through torchft's ``Manager``;
 ``_api`` holds the API, its gradient-sync switch, which
 ``torchcontract.apis.no_sync`` calls, and ``rank_local``.
 """
@@ -15,8 +16,17 @@ output; ``_same_model`` checks at apply that every rank holds the same model;
 from __future__ import annotations
 
 from ._api import rank_local, replicate
+from ._manager_hook import AllReduceManager, manager_allreduce_hook
 from ._module import ReplicateModule
 from ._same_model import ModelMismatchError
 from ._state import ReplicateState
 
-__all__ = ["ModelMismatchError", "ReplicateModule", "ReplicateState", "rank_local", "replicate"]
+__all__ = [
+    "AllReduceManager",
+    "ModelMismatchError",
+    "ReplicateModule",
+    "ReplicateState",
+    "manager_allreduce_hook",
+    "rank_local",
+    "replicate",
+]
