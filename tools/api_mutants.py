@@ -94,9 +94,9 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
     ),
     Mutant(
         "fully_shard_int_world_size_keeps",
-        "apis/fully_shard/_api.py",
-        "        return False\n    return True\n\n\ndef _post_forward_size",
-        "        return False\n    return False\n\n\ndef _post_forward_size",
+        "apis/fully_shard/_arguments.py",
+        "        return False\n    return True\n\n\ndef post_forward_size_of",
+        "        return False\n    return False\n\n\ndef post_forward_size_of",
         (FS_MEMORY,),
         "reshard_after_forward as an int above 1 keeps the parameters instead of freeing them",
     ),

@@ -12,7 +12,7 @@ from typing import Any, Concatenate, Generic, Protocol, TypeVar, overload
 
 import attrs
 from torch import nn
-from typing_extensions import ParamSpec
+from typing_extensions import ParamSpec, TypeIs
 
 from ._api_types import Incompatible
 from ._contract import Contract, ModuleContract, ModuleListContract, ModuleSequenceContract
@@ -138,9 +138,14 @@ class ContractDecorator(Generic[_S]):
             strict=self._strict,
         )
         for rule in self._rules:
-            if isinstance(rule.other, Contract):
+            if _is_contract(rule.other):
                 rule.other.ruled_by.add(api)
         return api
+
+
+def _is_contract(value: object) -> TypeIs[Contract[..., Any, Any]]:
+    """Whether a rule names a contract (rather than a torch API by its name)."""
+    return isinstance(value, Contract)
 
 
 @overload
