@@ -12,9 +12,10 @@ PYTHON ?= python3
 help:  ## list the targets
 	@awk -F':.*## ' '/^[a-z][a-z-]*:.*## / { printf "  make %-12s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
 
-$(BIN)/.installed: pyproject.toml requirements-dev.txt
+$(BIN)/.installed: pyproject.toml requirements-dev.txt requirements-torchft.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements-dev.txt \
+		-r requirements-torchft.txt
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e .
 	touch $@
 

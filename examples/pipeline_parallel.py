@@ -1,3 +1,5 @@
+# torch leaves manual_seed's seed and the schedules' step() partly unannotated.
+# pyright: reportUnknownMemberType=false
 """Pipeline parallelism over stages sharded by fully_shard: 4 CPU processes, a (pp, dp) mesh.
 
 Run: ``torchrun --standalone --nproc-per-node 4 examples/pipeline_parallel.py``. Each of

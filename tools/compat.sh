@@ -19,7 +19,8 @@ root=${COMPAT_DIR:-"$HOME/.cache/torchcontract/compat"}
 python=${PYTHON:-python3}
 mkdir -p "$root"
 requirements=$(grep -v '^torch==' requirements-dev.txt)
-stamp=$(printf '%s' "$requirements" | sha256sum | cut -c1-12)
+stamp=$(cat requirements-dev.txt requirements-torchft.txt | grep -v '^torch==' | sha256sum \
+  | cut -c1-12)
 status=0
 summary=()
 rows=()
@@ -31,6 +32,12 @@ for version in $versions; do
     if ! "$venv/bin/pip" install --quiet --disable-pip-version-check "torch==$version" \
         $(printf '%s\n' "$requirements" | grep -v '^#' | tr '\n' ' '); then
       summary+=("torch $version: install failed"); status=1; continue
+    fi
+    # torchft where it installs beside this torch (it asks torch>=2.7); elsewhere its tests
+    # skip, saying so. The constraint keeps pip from replacing torch to make room for it.
+    if ! "$venv/bin/pip" install --quiet --disable-pip-version-check \
+        -c <(echo "torch==$version") -r requirements-torchft.txt; then
+      echo "== torch $version: torchft does not install beside it; its tests will skip"
     fi
     rm -f "$venv"/.installed-*
     touch "$venv/.installed-$stamp"

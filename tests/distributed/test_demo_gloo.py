@@ -83,11 +83,24 @@ def _run(command: list[str]) -> str:
     return done.stdout
 
 
-def test_demo_command_prints_the_report() -> None:
-    output = _run([sys.executable, "-m", "torchcontract.demo", "--nproc", "2", "--steps", "3"])
-    assert "[##############################] 3/3  loss" in output
+@pytest.fixture(scope="module")
+def demo_output() -> str:
+    return _run([sys.executable, "-m", "torchcontract.demo", "--nproc", "2", "--steps", "3"])
+
+
+def test_demo_command_prints_the_report(demo_output: str) -> None:
+    assert "[##############################] 3/3  loss" in demo_output
     for line in REPORT_LINES:
-        assert line in output
+        assert line in demo_output
+
+
+def test_demo_prints_each_phase_result_once_and_why_both_agree(demo_output: str) -> None:
+    lines = [line for line in demo_output.splitlines() if line.startswith("final (")]
+    assert [line.split(")")[0] for line in lines] == ["final (replicate", "final (fully_shard"]
+    results = {line.split("): ", 1)[1] for line in lines}
+    assert len(results) == 1  # the same step, loss and digest: 2 ranks sum in either order
+    (digest,) = {line.rsplit(" ", 1)[1] for line in lines}
+    assert f"both phases end with the same parameters ({digest})" in demo_output
 
 
 def test_demo_under_torchrun_prints_the_report() -> None:

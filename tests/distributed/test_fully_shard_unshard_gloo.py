@@ -3,7 +3,9 @@
 The function takes the method's ``async_op`` and returns the same handle. A gather
 started so and not waited for before the next forward is that forward's gather, as
 in FSDP2: gathering again gives the same numbers, so the all-gathers each step
-issues are recorded (``fully_shard_recorder``) and compared with FSDP2's.
+issues are recorded (``fully_shard_recorder``) and compared with FSDP2's. A save
+(``state_dict()``) on one rank while the gather is in flight keeps it, as FSDP2's:
+had it dropped it, that rank alone would gather again and fall out of step.
 """
 
 from __future__ import annotations
@@ -71,9 +73,13 @@ def _async_states(mesh: DeviceMesh, apply: Callable[..., Any], start: Unshard) -
 
 
 def _pending_before_forward(
-    rank: int, mesh: DeviceMesh, apply: Callable[..., Any], start: Unshard
+    rank: int, mesh: DeviceMesh, apply: Callable[..., Any], start: Unshard, save: bool = False
 ) -> tuple[list[list[Collective]], dict[str, Any]]:
-    """3 SGD steps, each forward preceded by an unwaited async unshard of the root."""
+    """3 SGD steps, each forward preceded by an unwaited async unshard of the root.
+
+    ``save``: rank 0 alone saves the model (``state_dict()``) while the gather is in
+    flight, as torchft's quorum thread saves while a step runs.
+    """
     model = sharded_gpt(apply, mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     recorder = Recorder()
@@ -81,6 +87,8 @@ def _pending_before_forward(
     with recorder.recording():
         for step in range(3):
             start(_fsdp(model))  # not waited for: the forward's pre-hook waits
+            if save and rank == 0:
+                model.state_dict()
             torch.autograd.backward(loss_on(model, *batch(rank, step)))
             optimizer.step()
             optimizer.zero_grad()
@@ -101,10 +109,12 @@ def _job(rank: int, world_size: int) -> Results:
         "function": _pending_before_forward(rank, mesh, fully_shard, _function),
         "method": _pending_before_forward(rank, mesh, fully_shard, _method),
         "theirs": _pending_before_forward(rank, mesh, torch_fully_shard, _method),
+        "saved": _pending_before_forward(rank, mesh, fully_shard, _method, save=True),
+        "saved_theirs": _pending_before_forward(rank, mesh, torch_fully_shard, _method, save=True),
     }
     found["gathers"] = {name: gathers for name, (gathers, _) in runs.items()}
     theirs = runs["theirs"][1]
-    found["gaps"] = [largest_gap(runs[name][1], theirs) for name in ("function", "method")]
+    found["gaps"] = [largest_gap(runs[name][1], theirs) for name in ("function", "method", "saved")]
     return found
 
 
@@ -132,3 +142,10 @@ def test_an_unwaited_async_unshard_serves_the_next_forward_as_torch(
 def test_training_after_async_unshards_matches_torch(ranks: list[Results]) -> None:
     for found in ranks:
         assert max(found["gaps"]) <= TOLERANCE
+
+
+def test_a_save_on_one_rank_keeps_the_gather_in_flight_as_torch(ranks: list[Results]) -> None:
+    """No rank gathers again after rank 0 alone saved: the ranks stay in step, as FSDP2's."""
+    for found in ranks:
+        gathers = found["gathers"]
+        assert gathers["saved"] == gathers["saved_theirs"] == gathers["theirs"]

@@ -122,7 +122,6 @@ def outside_compile(function: Callable[_P, _R]) -> Callable[_P, _R]:
 swap_tensors: Final = cast(Callable[[Tensor, Tensor], None], torch.utils.swap_tensors)
 
 _all_reduce: Final = cast(Callable[..., dist.Work], dist.all_reduce)
-_broadcast: Final = cast(Callable[..., dist.Work | None], dist.broadcast)
 
 
 def all_reduce(tensor: Tensor, group: dist.ProcessGroup) -> dist.Work:
@@ -169,8 +168,16 @@ def barrier() -> None:
 
 
 def broadcast(tensor: Tensor, source: int, group: dist.ProcessGroup) -> None:
-    """Overwrite ``tensor`` with global rank ``source``'s copy, on every rank of ``group``."""
-    _broadcast(tensor, src=source, group=group)
+    """Overwrite ``tensor`` with group rank ``source``'s copy, on every rank of ``group``; wait.
+
+    Through the group's own method, as DDP's broadcasts (``_broadcast_coalesced``):
+    it takes a group torch.distributed never registered (torchft's, or one built
+    from a store), which ``dist.broadcast`` refuses where it translates ranks.
+    """
+    options = dist.BroadcastOptions()
+    options.rootRank = source
+    options.rootTensor = 0
+    group.broadcast([tensor], options).wait()
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer) -> None:

@@ -8,11 +8,13 @@ block; the first step also runs a ``DistributedDataParallel`` copy of the
 model on the same batch and compares gradients. Then ``fully_shard`` on each
 block and on the root, side by side with PyTorch's own ``fully_shard`` on a
 copy for the first step (with ``--hsdp``, this phase alone, as HSDP). For each,
-rank 0 draws a progress bar with the loss averaged over ranks, every rank prints
-``final: step N loss X parameters SHA``, then rank 0 prints ``describe(model)``;
+rank 0 draws a progress bar with the loss averaged over ranks, prints
+``final (PHASE): step N loss X parameters SHA`` once, then ``describe(model)``;
 each rank's API records and the comparison with DDP follow the first, the
 per-rank parameter bytes and the comparison of first-step losses with PyTorch's
-``fully_shard`` the second.
+``fully_shard`` the second. Last, rank 0 says whether both phases ended with the
+same parameters, and why (on 2 ranks they do: same start, data and dropout, and
+a sum of two gradients does not depend on its order).
 
 With ``--checkpoint-dir``, each phase saves its checkpoints in a subdirectory of
 its own and resumes from the newest complete one (``_checkpoints``); a resumed

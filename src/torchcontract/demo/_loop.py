@@ -4,8 +4,10 @@ Each rank draws its dropout masks from its own generator, seeded once with its r
 and saved in every checkpoint with the rest of the run's state; batch ``i`` is a
 function of the rank and ``i``. So a run that resumes from a checkpoint computes
 what the uninterrupted run computed after that step, bit for bit, and ends with the
-same final line: ``final: step N loss X parameters SHA``, SHA the first 16 hex
-digits of a SHA-256 of the full parameters in FQN order, printed by every rank.
+same final line: ``final (PHASE): step N loss X parameters SHA``, SHA the first 16 hex
+digits of a SHA-256 of the full parameters in FQN order. Every rank computes it (the loss
+is averaged over ranks, the parameters gathered); rank 0 prints it once, after checking
+that every rank's line is the same.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional
 
+from torchcontract.apis._objects import all_gather_objects
 from torchcontract.apis._torch import all_reduce_blocking, manual_seed, optimizer_step, to_ints
 
 from ._checkpoints import Checkpoints, Progress
@@ -82,6 +85,8 @@ FirstStep = Callable[[Tensor, Tensor], tuple[Tensor, float]]
 class Run:
     """What one phase's training did on this rank."""
 
+    #: The phase's name: ``replicate``, ``fully_shard`` or ``hsdp``.
+    phase: str
     #: The step it resumed from; None when it started from scratch.
     resumed_from: int | None
     #: The first step's difference to the reference; NaN when that step was not run here.
@@ -93,8 +98,11 @@ class Run:
 
     @property
     def final_line(self) -> str:
-        """``final: step N loss X parameters SHA``, the same on every rank."""
-        return f"final: step {self.final.step} loss {self.final.loss:.6f} parameters {self.digest}"
+        """``final (PHASE): step N loss X parameters SHA``, the same on every rank."""
+        return (
+            f"final ({self.phase}): step {self.final.step} loss {self.final.loss:.6f} "
+            f"parameters {self.digest}"
+        )
 
 
 def train_loop(
@@ -109,8 +117,9 @@ def train_loop(
 ) -> Run:
     """Train ``model`` up to ``settings.steps``, from the newest checkpoint of ``phase`` if any.
 
-    Saves a checkpoint every ``settings.checkpoint_every`` steps and after the last,
-    prints the final line on every rank; rank 0 draws the progress bar. Collective.
+    Saves a checkpoint every ``settings.checkpoint_every`` steps and after the last.
+    Rank 0 draws the progress bar and prints the final line once, or every rank's line
+    if they differ. Collective.
     """
     manual_seed(rank)  # this rank's dropout: the same stream whether or not it resumes
     checkpoints = (
@@ -150,10 +159,15 @@ def train_loop(
         ):
             checkpoints.save(model, optimizer, progress)
             _pause_if_drilled(settings, progress.step)
-    run = Run(resumed_from, gap, tuple(losses), progress, parameter_digest(model))
-    # One write, so the ranks' lines do not interleave on a shared terminal.
-    sys.stdout.write(run.final_line + "\n")
-    sys.stdout.flush()
+    run = Run(phase, resumed_from, gap, tuple(losses), progress, parameter_digest(model))
+    lines = [str(line) for line in all_gather_objects(run.final_line)]
+    if rank == 0:
+        if len(set(lines)) == 1:
+            print(run.final_line, flush=True)
+        else:  # never expected: the loss is averaged and the digest gathered
+            print(f"{phase}: the ranks disagree on the final line", flush=True)
+            for index, line in enumerate(lines):
+                print(f"  rank {index}: {line}", flush=True)
     return run
 
 

@@ -23,14 +23,38 @@ __all__ = ["main"]
 
 
 def _run_both(rank: int, world_size: int, settings: Settings) -> tuple[Outcome, ShardedOutcome]:
-    """Both phases on this rank: replicated, then sharded."""
+    """Both phases on this rank: replicated, then sharded; rank 0 says if they agree."""
     replicated = train(rank, world_size, settings)
     if rank == 0:
         print(
             f"\nnow fully_shard on each block and the root, for {settings.steps} steps",
             flush=True,
         )
-    return replicated, train_sharded(rank, world_size, settings)
+    sharded = train_sharded(rank, world_size, settings)
+    if rank == 0:
+        print("\n" + agreement_line(replicated.digest, sharded.digest, world_size), flush=True)
+    return replicated, sharded
+
+
+def agreement_line(replicated: str, sharded: str, world_size: int) -> str:
+    """Whether both phases ended with the same parameters, and why."""
+    if replicated == sharded:
+        order = (
+            "a sum of two ranks' gradients is the same in either order"
+            if world_size <= 2
+            else f"here both APIs' sums of {world_size} ranks' gradients gave the same bits"
+        )
+        return (
+            f"both phases end with the same parameters ({sharded}): the same initial weights, "
+            "batches, dropout masks and optimizer, and each step averages the gradients over "
+            f"the ranks; {order}"
+        )
+    return (
+        f"the phases' parameters differ in the last bits ({replicated}, {sharded}): "
+        f"replicate's all-reduce and fully_shard's reduce-scatter add {world_size} ranks' "
+        "gradients in different orders, and a floating-point sum depends on its order "
+        "(on 2 ranks they agree)"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -38,6 +38,8 @@ class Outcome:
     final_line: str
     #: The step this run resumed from; None when it started from scratch.
     resumed_from: int | None
+    #: The digest of the final parameters: the same on every rank.
+    digest: str
 
 
 def _compare_with_ddp(
@@ -120,7 +122,7 @@ def train(rank: int, world_size: int, settings: Settings) -> Outcome:
             + comparison_line("gradients matched DistributedDataParallel's on the first step", run)
         )
     losses = run.losses or (run.final.loss,)
-    return Outcome(losses[0], losses[-1], run.gap, run.final_line, run.resumed_from)
+    return Outcome(losses[0], losses[-1], run.gap, run.final_line, run.resumed_from, run.digest)
 
 
 def _strings(value: object) -> list[str]:

@@ -41,6 +41,8 @@ class ShardedOutcome:
     final_line: str
     #: The step this run resumed from; None when it started from scratch.
     resumed_from: int | None
+    #: The digest of the final parameters: the same on every rank.
+    digest: str
 
 
 def local_parameter_bytes(model: nn.Module) -> int:
@@ -125,5 +127,12 @@ def train_sharded(rank: int, world_size: int, settings: Settings) -> ShardedOutc
             )
     losses = run.losses or (run.final.loss,)
     return ShardedOutcome(
-        losses[0], losses[-1], run.gap, local, full_bytes, run.final_line, run.resumed_from
+        losses[0],
+        losses[-1],
+        run.gap,
+        local,
+        full_bytes,
+        run.final_line,
+        run.resumed_from,
+        run.digest,
     )

@@ -234,8 +234,8 @@ def fully_shard(
             uneven placement on another dim than 0, an int
             ``reshard_after_forward`` for tensor-parallel parameters, another dim
             than 0 or with ``dp_mesh_dims``, a tensor-parallel parameter with a
-            ``Partial`` placement or on a mesh of more than 2 dims (or on a torch
-            without ``DeviceMesh._concatenate``), ``dp_mesh_dims`` without ``shard``
+            ``Partial`` placement or on a mesh of more than 2 dims, ``dp_mesh_dims``
+            without ``shard``
             or with shard dims apart, or ``CPUOffloadPolicy`` on an accelerator mesh.
         InvalidMeshError: The mesh is neither 1-D nor 2-D (a ``ValueError``), or
             a tensor-parallel mesh cannot stand beside it; ``UnnamedMeshError`` (also

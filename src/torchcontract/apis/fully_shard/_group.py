@@ -311,6 +311,17 @@ class ParamGroup:
     def reshard(self) -> None:
         """Register the sharded parameters again and free the unsharded storage."""
         self.drop_prefetch()
+        self.register_shards()
+
+    def register_shards(self) -> None:
+        """``reshard``, but an all-gather in flight is kept, for ``unshard`` to finish.
+
+        What FSDP2's state-dict hook does before a save (``_to_sharded``): saving
+        reads the shards, which the gather reads too, so its result stays good. And
+        every rank then sends the same collectives, whichever saved and from which
+        thread (torchft's quorum thread saves while the step runs): dropping the
+        gather would make this rank alone gather once more.
+        """
         if self.unsharded or self.post_forward:
             self.follow_cast()
             for parameter in self.parameters:

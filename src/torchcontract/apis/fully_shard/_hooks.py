@@ -236,7 +236,7 @@ def _check_not_initialized(group: ParamGroup, found: list[ParamGroup]) -> None:
     if all(member.root is None for member in found[1:]):
         return
     top = group.modules()[0]
-    for fqn, module in top.named_modules():
+    for fqn, module in named_tree(top):
         member = next((each for each in found[1:] if id(module) in each.module_ids), None)
         if member is not None and member.root is not None:
             raise ContractError(

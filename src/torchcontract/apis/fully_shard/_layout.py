@@ -146,7 +146,7 @@ def layout_of(
 
     Raises:
         NotImplementedError: a DTensor parameter with a ``Partial`` placement, or more
-            than two TP mesh dims (as FSDP2); a torch without mesh concatenation.
+            than two TP mesh dims (as FSDP2).
         AlreadyManagedError: a DTensor parameter on ``mesh`` or on some of its dims.
         InvalidMeshError: a DTensor parameter on a mesh that is not, with ``mesh``, a
             slice of one mesh.

@@ -3,8 +3,10 @@
 Between a root's forward and its backward, or after ``unshard``, the module holds
 the unsharded parameters; saving them would save full plain tensors, and loading
 into them would be lost at the next reshard. As FSDP2 does, the group reshards
-first. After a load that replaced the parameter objects (``assign=True``), the
-group adopts the new shards.
+first; before a save, an all-gather in flight (a prefetch, ``unshard(async_op=True)``)
+is kept, as FSDP2 keeps it, so a save on one rank changes no rank's collectives;
+before a load it is dropped (it gathered the old values). After a load that
+replaced the parameter objects (``assign=True``), the group adopts the new shards.
 """
 
 from __future__ import annotations
@@ -41,8 +43,14 @@ class _StateDictHooks:
         return group
 
     def reshard(self, module: nn.Module, *args: object) -> None:
+        """Before a load: the shards are about to change, so a gather in flight is dropped."""
         if (group := self._group_for(module)) is not None:
             group.reshard()
+
+    def register_shards(self, module: nn.Module, *args: object) -> None:
+        """Before a save: the shards stay as they are, and so does a gather in flight."""
+        if (group := self._group_for(module)) is not None:
+            group.register_shards()
 
     def adopt(self, module: nn.Module, *args: object) -> None:
         if (group := self._group_for(module)) is not None:
@@ -57,7 +65,7 @@ def register_state_dict_hooks(
     hooks = _StateDictHooks(group)
     handles: list[RemovableHandle] = []
     for target in targets:
-        handles.append(_torch.register_state_dict_pre_hook(target, hooks.reshard))
+        handles.append(_torch.register_state_dict_pre_hook(target, hooks.register_shards))
         handles.append(_torch.register_load_state_dict_pre_hook(target, hooks.reshard))
         handles.append(_torch.register_load_state_dict_post_hook(target, hooks.adopt))
     return handles

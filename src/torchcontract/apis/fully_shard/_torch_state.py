@@ -298,12 +298,18 @@ def remove_torch_state(targets: Sequence[nn.Module]) -> None:
     """Take the state ``install_torch_state`` put on ``targets`` out of both places."""
     key = _torch_state_key()
     for target in targets:
-        states = target.__dict__.get(STATE_KEY)
-        if isinstance(states, dict) and isinstance(states.get(key), TorchFullyShardState):
+        states = _states(target.__dict__)
+        if states is not None and isinstance(states.get(key), TorchFullyShardState):
             del states[key]
             if not states:
                 del target.__dict__[STATE_KEY]
             _module_state_mapping.pop(target, None)
+
+
+def _states(namespace: dict[str, object]) -> dict[object, object] | None:
+    """torch's composable states in a module's ``__dict__`` (or its pickled copy), if any."""
+    states = namespace.get(STATE_KEY)
+    return cast("dict[object, object]", states) if isinstance(states, dict) else None
 
 
 def without_torch_state(reduced: object) -> object:
@@ -312,25 +318,29 @@ def without_torch_state(reduced: object) -> object:
     A pickle is of the original class, not under ``fully_shard`` (its hooks stand
     aside): torch's lookups must find nothing on it, not a state whose group is gone.
     """
-    if not isinstance(reduced, tuple) or len(reduced) < 3 or not isinstance(reduced[2], dict):
+    if not isinstance(reduced, tuple):
         return reduced
-    state = dict(reduced[2])  # nn.Module's __getstate__ copies __dict__, not what it holds
-    states = state.get(STATE_KEY)
+    parts = cast("tuple[object, ...]", reduced)
+    if len(parts) < 3 or not isinstance(parts[2], dict):
+        return parts
+    # nn.Module's __getstate__ copies __dict__, not what it holds.
+    state = dict(cast("dict[str, object]", parts[2]))
+    states = _states(state)
     ours = _torch_state_key()
-    if isinstance(states, dict) and ours in states:
+    if states is not None and ours in states:
         kept = {key: value for key, value in states.items() if key is not ours}
         if kept:
             state[STATE_KEY] = kept
         else:
             del state[STATE_KEY]
-    return (*reduced[:2], state, *reduced[3:])
+    return (*parts[:2], state, *parts[3:])
 
 
 def torch_state_of(group: ParamGroup) -> TorchFullyShardState | None:
     """The state installed for ``group``'s application, read from its first live module."""
     for module in group.modules():
-        states = module.__dict__.get(STATE_KEY)
-        if isinstance(states, dict):
+        states = _states(module.__dict__)
+        if states is not None:
             state = states.get(_torch_state_key())
             if isinstance(state, TorchFullyShardState) and state.group is group:
                 return state

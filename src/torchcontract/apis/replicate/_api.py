@@ -105,15 +105,41 @@ def _group(module: nn.Module, process_group: object) -> dist.ProcessGroup:
             f"torch.distributed.ProcessGroup or None (the default group), got "
             f"{describe_value(process_group)}; pass e.g. torch.distributed.new_group(ranks)"
         )
-    try:
-        dist.get_rank(process_group)
-    except ValueError:  # torch's "Group <...> is not registered"
+    if _was_destroyed(process_group):
         raise ValueError(
             f"replicate on {module_label(module)}: process_group is not a group "
-            "torch.distributed knows: it was destroyed (destroy_process_group) or made "
-            "outside new_group(); pass a live group from torch.distributed.new_group(ranks)"
-        ) from None
+            "torch.distributed knows any more: it was destroyed (destroy_process_group); "
+            "pass a live group, e.g. from torch.distributed.new_group(ranks)"
+        )
     return process_group
+
+
+def _is_registered(group: dist.ProcessGroup) -> bool:
+    """Whether torch.distributed knows ``group`` (made by init_process_group or new_group)."""
+    if not dist.is_initialized():
+        return False
+    try:
+        dist.get_rank(group)
+    except ValueError:  # torch's "Group <...> is not registered"
+        return False
+    return True
+
+
+def _was_destroyed(group: dist.ProcessGroup) -> bool:
+    """Whether torch.distributed registered ``group`` and then destroyed (shut down) it.
+
+    As DDP, replicate takes a group torch.distributed never registered (torchft's
+    ``ProcessGroupDummy`` and reconfigurable groups, a group built from a store): it
+    calls the group's own methods. Such a group has no name; one that torch
+    registered keeps its name after ``destroy_process_group``, which shuts it down.
+    """
+    if _is_registered(group):
+        return False
+    try:
+        name = group.group_name
+    except (ValueError, RuntimeError):  # torchft's groups raise until registered
+        return False
+    return bool(name)
 
 
 def _refuse_sync_batch_norm_on_cpu(module: nn.Module) -> None:
@@ -303,7 +329,7 @@ def replicate(
         InvalidTargetError: ``module`` has no parameter that requires a gradient, or
             is a list.
         ValueError: ``bucket_cap_mb`` is not positive and finite; this rank is not
-            in ``process_group``, or it was destroyed or made outside ``new_group``;
+            in ``process_group``, or it was destroyed;
             the module holds a ``SyncBatchNorm`` on CPU (as DDP, which needs a GPU
             for it); ``process_group`` and ``device_mesh`` are both given, or the
             mesh is not 1-D.

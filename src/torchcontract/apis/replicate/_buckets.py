@@ -100,12 +100,11 @@ def broadcast_from(
     """Overwrite ``tensors`` with group rank ``source_rank``'s values, in flat chunks per kind."""
     if not tensors:
         return
-    source = dist.get_global_rank(group, source_rank)
     with torch.no_grad():
         for chunk in assign_buckets(tensors, range(len(tensors)), cap_bytes, cap_bytes):
             members = [tensors[index] for index in chunk]
             flat = torch.cat([tensor.reshape(-1) for tensor in members])
-            _torch.broadcast(flat, source, group)
+            _torch.broadcast(flat, source_rank, group)
             values = torch.split(flat, [tensor.numel() for tensor in members])
             for tensor, value in zip(members, values, strict=True):
                 tensor.copy_(value.view_as(tensor))

@@ -744,7 +744,7 @@ class Reducer:
         order = arrival + [i for i in reversed(range(len(self._names))) if i not in arrived]
         shared = torch.tensor(order, dtype=torch.int64)  # the first rank's, on every rank
         if self._group.size() > 1:
-            _torch.broadcast(shared, dist.get_global_rank(self._group, 0), self._group)
+            _torch.broadcast(shared, 0, self._group)
         parameters = [self._parameter(index) for index in range(len(self._names))]
         self._set_buckets(assign_buckets_as_ddp(parameters, _torch.to_ints(shared), self._limits()))
 

@@ -79,7 +79,7 @@ def _describe_difference(
 ) -> str:
     """Where the first rank that differs from the group's first rank differs, in one sentence."""
     first = summaries[0]
-    ranks = [dist.get_global_rank(group, index) for index in range(group.size())]
+    ranks = _rank_labels(group)
     other = next(index for index, summary in enumerate(summaries) if summary != first)
     theirs = summaries[other]
     position = next(
@@ -92,22 +92,29 @@ def _describe_difference(
     counts = (
         ""
         if len(first) == len(theirs)
-        else f"rank {ranks[0]} has {_count(first)}, rank {ranks[other]} {_count(theirs)}; "
+        else f"{ranks[0]} has {_count(first)}, {ranks[other]} {_count(theirs)}; "
     )
     if a is not None and b is not None and a[:2] == b[:2]:
         difference = (
-            f"{a[0]} {a[1]!r} is {_describe(a)} on rank {ranks[0]} "
-            f"but {_describe(b)} on rank {ranks[other]}"
+            f"{a[0]} {a[1]!r} is {_describe(a)} on {ranks[0]} but {_describe(b)} on {ranks[other]}"
         )
     else:
         difference = (
-            f"where rank {ranks[0]} has {_name_and_describe(a)}, "
-            f"rank {ranks[other]} has {_name_and_describe(b)}"
+            f"where {ranks[0]} has {_name_and_describe(a)}, "
+            f"{ranks[other]} has {_name_and_describe(b)}"
         )
     return (
         f"replicate on {module_label(module)}: the ranks hold different models: {counts}"
         f"{difference}; build the same model on every rank before replicate"
     )
+
+
+def _rank_labels(group: dist.ProcessGroup) -> list[str]:
+    """``rank N`` by global rank; ``group rank N`` where torch.distributed never registered it."""
+    try:
+        return [f"rank {dist.get_global_rank(group, index)}" for index in range(group.size())]
+    except ValueError:  # a group torch.distributed does not know (torchft's, or one from a store)
+        return [f"group rank {index}" for index in range(group.size())]
 
 
 def _count(entries: list[_Entry]) -> str:

@@ -1,0 +1,5 @@
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+class CheckpointTransport(Generic[T]): ...

@@ -1,0 +1,13 @@
+from datetime import timedelta
+
+import torch.distributed as dist
+
+class ProcessGroup(dist.ProcessGroup): ...
+
+class ProcessGroupDummy(ProcessGroup):
+    def __init__(self, rank: int, world: int) -> None: ...
+
+class ProcessGroupWrapper(ProcessGroup):
+    def __init__(self, timeout: timedelta = ..., pg: ProcessGroup | None = None) -> None: ...
+
+class ProcessGroupGloo(ProcessGroupWrapper): ...

@@ -1,0 +1,119 @@
+"""The save-and-resume page's script, under torchrun: killed mid-run, it resumes and ends the same.
+
+The script and the command are read from docs/save-and-resume.md, so the page shows what runs
+here. For each API, one run is left alone; another is killed (every worker at once, SIGKILL)
+once a checkpoint is published, then started again: it resumes from a published
+checkpoint and ends with the uninterrupted run's check value.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Final
+
+import pytest
+from commands import BackgroundCommand, run_command
+from pages import DOCS, code_blocks
+
+pytestmark = pytest.mark.slow
+
+PAGE: Final = DOCS / "save-and-resume.md"
+#: Seconds for one torchrun command: 2 workers start, train 60 steps, save 12 checkpoints.
+TIMEOUT: Final = 240.0
+CHECK: Final = re.compile(r"trained 60 steps; check value -?\d+\.\d{8}")
+ENVIRONMENT: Final = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def _script(tmp_path: Path) -> Path:
+    (source,) = re.findall(
+        r'^```python title="train.py"\n(.*?)^```', PAGE.read_text(), flags=re.DOTALL | re.M
+    )
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    return script
+
+
+def _command(tmp_path: Path, api: str) -> tuple[list[str], Path]:
+    """The page's torchrun command for ``api``, torchrun the venv's; and its checkpoints."""
+    (line,) = (
+        line
+        for block in code_blocks(PAGE, "bash")
+        for line in block.splitlines()
+        if "torchrun" in line
+    )
+    tmp_path.mkdir()
+    checkpoints = tmp_path / "checkpoints"
+    words = line.replace("/tmp/checkpoints", str(checkpoints)).split()
+    assert words[0] == "torchrun"
+    arguments = [sys.executable, "-m", "torch.distributed.run", *words[1:]]
+    arguments[arguments.index("train.py")] = str(_script(tmp_path))
+    if api == "replicate":
+        arguments += ["--api", "replicate"]
+    return arguments, checkpoints
+
+
+def _check_value(output: str) -> str:
+    (line,) = (line for line in output.splitlines() if line.startswith("trained "))
+    assert CHECK.fullmatch(line), line
+    return line
+
+
+def _workers_of(agent: int) -> list[int]:
+    """The pids of the workers ``agent`` started (in sessions of their own)."""
+    workers = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "stat").read_text()
+        except OSError:  # gone already
+            continue
+        if int(status.rsplit(")", 1)[1].split()[1]) == agent:
+            workers.append(int(entry.name))
+    return workers
+
+
+def _wait_for(path: Path, command: BackgroundCommand) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not path.is_dir():
+        if command.process.poll() is not None or time.monotonic() > deadline:
+            stdout, stderr = command.output()
+            pytest.fail(f"{path.name} never appeared:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("api", ["fully_shard", "replicate"])
+def test_a_killed_run_resumes_and_ends_as_the_uninterrupted_one(api: str, tmp_path: Path) -> None:
+    arguments, _ = _command(tmp_path / "uninterrupted", api)
+    done = run_command(arguments, timeout=TIMEOUT, env=ENVIRONMENT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming" not in done.stdout
+    expected = _check_value(done.stdout)
+
+    arguments, checkpoints = _command(tmp_path / "killed", api)
+    with BackgroundCommand(arguments, output=tmp_path / "killed", env=ENVIRONMENT) as killed:
+        _wait_for(checkpoints / "step-000010", killed)
+        workers = _workers_of(killed.process.pid)
+        assert len(workers) == 2
+        for worker in workers:  # every worker at once, as when the job's machine goes down
+            os.kill(worker, signal.SIGKILL)
+        stopped = killed.wait(TIMEOUT)
+    assert stopped.returncode != 0  # no --max-restarts: the agent gives up
+    published = sorted(path.name for path in checkpoints.glob("step-*[0-9]"))
+    assert "step-000060" not in published  # it was killed before the end
+
+    resumed = run_command(arguments, timeout=TIMEOUT, env=ENVIRONMENT)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {published[-1]}" in resumed.stdout
+    assert _check_value(resumed.stdout) == expected
+
+
+def test_the_page_says_numpy_is_needed() -> None:
+    page = PAGE.read_text()
+    assert "pip install numpy" in page
+    assert "torch.distributed.checkpoint` needs numpy" in page
