@@ -19,7 +19,12 @@ $(BIN)/.installed: pyproject.toml requirements-dev.txt requirements-torchft.txt
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e .
 	touch $@
 
-test: lint typecheck docs unit  ## lint, typecheck, docs and unit: what CI runs
+# `make test` times itself: tools/record_run.py writes how long it took, with the counts of
+# its pytest run, into docs/generated/test.md and the README (nothing there is by hand).
+test: $(BIN)/.installed  ## lint, typecheck, docs and unit: what CI runs; records its time
+	@started=$$(date +%s); \
+	$(MAKE) --no-print-directory lint typecheck docs unit && \
+	$(BIN)/python tools/record_run.py test .unit.xml --started $$started
 
 lint: $(BIN)/.installed  ## ruff check, ruff format --check and lint-imports
 	$(BIN)/ruff check .
@@ -40,9 +45,14 @@ docs: $(BIN)/.installed  ## the documentation site into site/, mkdocs build --st
 docs-serve: $(BIN)/.installed  ## serve the documentation site on http://127.0.0.1:8000
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict
 
+# pytest-xdist, one worker per core; --dist loadfile keeps each test file on one worker,
+# so module-scoped fixtures (the in-process process groups, each file's ranks) are set up
+# once, as in a serial run. Every distributed test picks free ports. The slowest tests are
+# listed at the end; docs/generated/unit.md gets the counts and the time.
 unit: $(BIN)/.installed  ## pytest: unit, typing, distributed (gloo on CPU) and docs tests
 	@$(BIN)/python -c 'import platform, torch; print(f"testing against torch {torch.__version__} (Python {platform.python_version()})")'
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n auto --dist loadfile --durations=15 --junitxml=.unit.xml; \
+		status=$$?; $(BIN)/python tools/record_run.py unit .unit.xml; exit $$status
 
 # On a machine with CUDA: the parity tests that fit one device (pytest marker "gpu", which
 # every other run deselects);
@@ -92,4 +102,5 @@ mutate-apis: $(BIN)/.installed  ## behavioural mutants of apis/ and testing
 	$(BIN)/python tools/api_mutants.py
 
 clean:  ## remove .venv, the caches, mutants and site/
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis mutants site .fuzz.xml
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis mutants site .fuzz.xml \
+		.unit.xml

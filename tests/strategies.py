@@ -7,16 +7,15 @@ import gc
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Final, Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
 import attrs
 from hypothesis import strategies as st
 from torch import nn
 
-from torchcontract import Contract, NotAppliedError, StateStore, registry
+from torchcontract import AnyContract, NotAppliedError, StateStore, registry
 
 _T = TypeVar("_T")
-AnyContract = Contract[..., Any, Any]
 
 #: The hypothesis profile of this run (registered in conftest.py): "fuzz" under
 #: `make fuzz`, "mutate" under `make mutate`, empty for `make test` and CI.

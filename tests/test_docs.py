@@ -107,14 +107,18 @@ TIME = re.compile(r"(?<![\d.])\d+(?:\.\d+)? (?:ns|µs|ms|s)\b")
 
 
 def _handwritten(page: Path) -> str:
-    """``page``'s own text: without the region ``make bench`` writes into the performance page."""
+    """``page``'s own text: without the regions commands write (``make bench`` into the
+    performance page, ``make test`` into the README)."""
     text = page.read_text()
-    start, end = (
-        "<!-- benchmark results: written by make bench -->",
-        "<!-- end of benchmark results -->",
-    )
-    if start in text:
-        text = text[: text.index(start)] + text[text.index(end) :]
+    for start, end in (
+        ("<!-- benchmark results: written by make bench -->", "<!-- end of benchmark results -->"),
+        (
+            "<!-- make test's last run: written by tools/record_run.py -->",
+            "<!-- end of make test's last run -->",
+        ),
+    ):
+        if start in text:
+            text = text[: text.index(start)] + text[text.index(end) :]
     return text
 
 
@@ -148,6 +152,7 @@ def test_the_pages_include_the_generated_figures() -> None:
     assert steps in (DOCS / "verification.md").read_text()
     assert steps in (DOCS / "performance.md").read_text()
     assert '--8<-- "docs/generated/fuzz.md"' in (DOCS / "development.md").read_text()
+    assert '--8<-- "docs/generated/test.md"' in (DOCS / "development.md").read_text()
 
 
 def test_troubleshooting_explains_every_exception_the_library_raises() -> None:

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from torchcontract import ContractError, FQNChangedError, FQNSnapshot, take_snapshot
-from torchcontract._fqn import check_strict, check_unchanged, descendants
+from torchcontract._fqn import descendants
+from torchcontract._fqn_checks import check_strict, check_unchanged
 
 
 def _label(module: nn.Module) -> str:

@@ -331,10 +331,10 @@ def test_apply_builds_no_error_text_when_nothing_is_wrong(
         labels.append(type(module).__qualname__)
         return module_label(module)
 
-    # The package's name is the API (apis re-exports it), so import the module by its path.
-    monkeypatch.setattr(
-        importlib.import_module("torchcontract.apis.fully_shard._api"), "module_label", counted
-    )
+    # The package's name is the API (apis re-exports it), so import the modules by their paths.
+    for name in ("_api", "_arguments", "_parameters"):
+        module = importlib.import_module(f"torchcontract.apis.fully_shard.{name}")
+        monkeypatch.setattr(module, "module_label", counted)
     model = on_meta(16)
     shard_each(model, mesh)
     assert labels == []
@@ -377,14 +377,14 @@ def test_the_rank_cost_test_sees_a_loop_over_ranks(
 ) -> None:
     """The test above would fail if the apply visited every rank once."""
     api = importlib.import_module("torchcontract.apis.fully_shard._api")
-    check_mesh = api._check_mesh
+    check_mesh = api.check_mesh
 
     def visiting_every_rank(target: nn.Module, each_mesh: DeviceMesh) -> None:
         for rank in range(each_mesh.size()):
             dist.get_global_rank(each_mesh.get_group(), rank)
         check_mesh(target, each_mesh)
 
-    monkeypatch.setattr(api, "_check_mesh", visiting_every_rank)
+    monkeypatch.setattr(api, "check_mesh", visiting_every_rank)
     on_2, on_64 = _layer_cost_on_2_and_64_ranks(mesh, own=(PACKAGE, __file__))
     assert on_64.own_lines >= on_2.own_lines + (WORLD - 2)  # a line per rank at least
     assert on_64.calls_out >= on_2.calls_out + (WORLD - 2)  # a call into torch per rank

@@ -37,7 +37,7 @@ from torchcontract import (
     contract,
     take_snapshot,
 )
-from torchcontract._fqn import check_strict
+from torchcontract._fqn_checks import check_strict
 
 # ----------------------------------------------------------------- targets and results
 

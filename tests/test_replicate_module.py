@@ -178,7 +178,9 @@ def test_a_hook_with_string_annotations_is_accepted() -> None:
 
 
 @pytest.mark.parametrize(
-    "hook", [default_hooks.bf16_compress_hook, _wrong_bucket, _wrong_return], ids=repr
+    "hook",
+    [default_hooks.bf16_compress_hook, _wrong_bucket, _wrong_return],
+    ids=lambda hook: hook.__name__,  # not repr: an address differs between xdist's workers
 )
 def test_hooks_ddp_refuses_are_refused_with_its_error(hook: object) -> None:
     """bf16 without NCCL (a TypeError; a build with NCCL takes it) and wrong annotations

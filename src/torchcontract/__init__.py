@@ -4,17 +4,9 @@ from __future__ import annotations
 
 from typing import Final
 
-from ._contract import (
-    AnyContract,
-    Application,
-    Contract,
-    ContractDecorator,
-    EmptyState,
-    ModuleContract,
-    ModuleListContract,
-    ModuleSequenceContract,
-    contract,
-)
+from ._api_types import AnyContract, Incompatible, RegistryEntry, RuleScope, TorchAPIName
+from ._contract import Contract, ModuleContract, ModuleListContract, ModuleSequenceContract
+from ._decorator import ContractDecorator, EmptyState, contract
 from ._describe import describe
 from ._errors import (
     AlreadyAppliedError,
@@ -42,14 +34,8 @@ from ._errors import (
 from ._export import exported_from
 from ._fqn import FQNSnapshot, take_snapshot
 from ._labels import module_label
-from ._registry import (
-    Incompatible,
-    RegistryEntry,
-    RuleScope,
-    TorchAPIName,
-    registry,
-    torch_registry,
-)
+from ._registry import registry, torch_registry
+from ._state_access import Application
 from ._store import StateStore
 from ._transaction import on_rollback
 from ._tree import named_tree, root_modules

@@ -1,4 +1,4 @@
-"""FQN snapshots as tuples, and the diff that explains a violation.
+"""FQN snapshots as tuples: one walk of the module tree, names built only when asked.
 
 A snapshot has exactly the semantics of ``named_parameters()``,
 ``named_buffers(remove_duplicate=False)`` and
@@ -25,18 +25,17 @@ so no change can hide.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from itertools import chain, compress, repeat
-from operator import is_, ne
+from operator import ne
 from typing import Final
 
 from torch import nn
 
-from ._errors import ContractError, CyclicModuleTreeError, FQNChangedError
+from ._errors import ContractError, CyclicModuleTreeError
 
-__all__ = ["FQNSnapshot", "check_strict", "check_unchanged", "descendants", "take_snapshot"]
+__all__ = ["FQNSnapshot", "descendants", "quote_fqn", "take_snapshot"]
 
-_SHOWN: Final = 8  # names listed per side in an error before "... and N more"
 _NONE_ID: Final = id(None)
 _NO_FORWARD: Final = object()
 
@@ -343,7 +342,7 @@ def _walk_error(
         path, module, ancestor = cycle
         return CyclicModuleTreeError(
             f"{api_name}: the module tree of {name} has a cycle: {type(module).__qualname__} at "
-            f"{path!r} is the module at {_quote(ancestor)} again, so named_modules(), "
+            f"{path!r} is the module at {quote_fqn(ancestor)} again, so named_modules(), "
             "state_dict() and the FQN check never end; remove that reference from the tree "
             "(keep a weakref.ref to the module instead)"
         )
@@ -420,105 +419,6 @@ def _present(names: list[str], ids: list[int]) -> tuple[list[str], list[int]]:
     return list(compress(names, keep)), list(compress(ids, keep))
 
 
-def check_unchanged(
-    api_name: str, label: Callable[[nn.Module], str], before: FQNSnapshot, after: FQNSnapshot
-) -> None:
-    """Raise ``FQNChangedError`` naming the first kind of FQN that differs.
-
-    Parameters are compared as ``named_parameters()`` lists them and then at every
-    path, as ``state_dict()`` does: replacing one path of a shared module keeps the
-    first list and the module FQNs but loses that path's entries in a state dict.
-    """
-    if before.same_as(after):
-        return
-    for kind, old, new in (
-        ("parameter", before.parameters, after.parameters),
-        ("buffer", before.buffers, after.buffers),
-        ("module", before.module_fqns, after.module_fqns),
-        ("state_dict parameter", before.state_dict_parameters, after.state_dict_parameters),
-    ):
-        if old != new:
-            raise FQNChangedError(
-                f"{api_name} changed the {kind} FQNs of {label(before.modules[0])}: "
-                f"{_explain(old, new)}. Composable APIs must keep every FQN and its order; "
-                "keep new state in the API's record, not in the module tree"
-            )
-
-
-def check_strict(api_name: str, before: FQNSnapshot, after: FQNSnapshot) -> None:
-    """Raise ``ContractError`` if a class changed to a non-subclass or ``forward`` was patched.
-
-    Call only once ``check_unchanged`` passed, so both snapshots list the same FQNs.
-    The first offending module in pre-order is reported.
-    """
-    first_class = _first_foreign_class(before, after)
-    first_forward = _first_new_forward(before, after)
-    if first_class is not None and (first_forward is None or first_class <= first_forward):
-        old_cls, new_cls = before.classes[first_class], after.classes[first_class]
-        raise ContractError(
-            f"{api_name} changed the class of {old_cls.__qualname__} at "
-            f"{_quote(before.module_fqns[first_class])} to {new_cls.__qualname__}, which is "
-            "not a subclass of it; an API may only swap in a subclass (as fully_shard does), "
-            "or pass strict=False to contract() to allow it"
-        )
-    if first_forward is not None:
-        old_cls = before.classes[first_forward]
-        where = (
-            f"the instance of {old_cls.__qualname__} at {_quote(before.module_fqns[first_forward])}"
-        )
-        if first_forward in after._forwards:
-            done = f"assigned forward on {where}"
-        else:
-            done = f"deleted the forward assigned on {where}, so its class's forward runs again"
-        raise ContractError(
-            f"{api_name} {done}; register a forward pre-hook or hook instead, "
-            "or pass strict=False to contract() to allow it"
-        )
-
-
-def _first_foreign_class(before: FQNSnapshot, after: FQNSnapshot) -> int | None:
-    """The first position whose module is no longer an instance of its old class.
-
-    A lazy module that materialized (``nn.LazyLinear`` becomes ``nn.Linear`` when it
-    first runs) became what its old class's ``cls_to_become`` names: that is PyTorch's
-    own doing, not a foreign class.
-    """
-    if all(map(is_, before.classes, after.classes)):
-        return None
-    for index, (old_cls, new_module) in enumerate(zip(before.classes, after.modules, strict=True)):
-        if not isinstance(new_module, old_cls):
-            becomes: object = getattr(old_cls, "cls_to_become", None)
-            if not (isinstance(becomes, type) and isinstance(new_module, becomes)):
-                return index
-    return None
-
-
-def _first_new_forward(before: FQNSnapshot, after: FQNSnapshot) -> int | None:
-    """The first position whose instance-level ``forward`` is not the one it had."""
-    old, new = before._forwards, after._forwards
-    if not old and not new:
-        return None
-    changed = [index for index in old.keys() | new.keys() if old.get(index) is not new.get(index)]
-    return min(changed, default=None)
-
-
-def _quote(fqn: str) -> str:
+def quote_fqn(fqn: str) -> str:
+    """``fqn`` quoted for a message; the empty FQN is "the root"."""
     return repr(fqn) if fqn else "the root"
-
-
-def _explain(old: Sequence[str], new: Sequence[str]) -> str:
-    old_set, new_set = set(old), set(new)
-    only_old = [name for name in old if name not in new_set]
-    only_new = [name for name in new if name not in old_set]
-    if only_old or only_new:
-        return f"only before: {_listing(only_old)}; only after: {_listing(only_new)}"
-    if len(old) != len(new):
-        return f"{len(old)} names before, {len(new)} after (some name repeats more or less often)"
-    index = next(i for i, (a, b) in enumerate(zip(old, new, strict=True)) if a != b)
-    return f"same names, new order: position {index} was {old[index]!r}, is now {new[index]!r}"
-
-
-def _listing(names: Sequence[str]) -> str:
-    shown = ", ".join(repr(name) for name in names[:_SHOWN])
-    more = len(names) - _SHOWN
-    return f"[{shown}{f', ... and {more} more' if more > 0 else ''}]"

@@ -20,16 +20,14 @@ import types
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar, cast
+from typing import Any, Final, Generic, TypeVar, cast
 
 import attrs
 from torch import nn
 
+from ._api_types import AnyContract
 from ._errors import InvalidRecordError
 from ._transaction import WRITE_LOCK, on_rollback
-
-if TYPE_CHECKING:
-    from ._contract import AnyContract
 
 __all__ = [
     "Cell",

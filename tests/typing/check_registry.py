@@ -14,6 +14,7 @@ from typing import Any, assert_type
 from torch import nn
 
 from torchcontract import (
+    AnyContract,
     Contract,
     EmptyState,
     Incompatible,
@@ -44,8 +45,8 @@ def sharding(module: nn.Module) -> None:
 model = nn.Linear(2, 2)
 entries = registry(model)
 
-assert_type(entries, Mapping[Contract[..., Any, Any], RegistryEntry])
-assert_type(entries[sharding].api, Contract[..., Any, Any])
+assert_type(entries, Mapping[AnyContract, RegistryEntry])
+assert_type(entries[sharding].api, AnyContract)
 assert_type(entries[sharding].args, tuple[Any, ...])
 assert_type(entries[sharding].kwargs, Mapping[str, Any])
 assert_type(entries[sharding].arguments, Mapping[str, object])

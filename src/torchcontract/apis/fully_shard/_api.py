@@ -1,31 +1,24 @@
 """fully_shard(): shard a module's parameters over a data-parallel mesh, as PyTorch's FSDP2 does.
 
-Apply validates everything first (mesh, every parameter), then shards: each
-managed parameter is replaced, under each of its names, by an ``nn.Parameter``
-holding a ``DTensor`` sharded on one dim (its ``Layout``, tensor parallelism's
-DTensors included); the hooks of ``_hooks`` gather and free
-the parameters around forward and backward. If the enclosing apply rolls back,
-an undo step puts the original parameters back and removes the hooks.
+Apply validates everything first (the arguments, in ``_arguments``; every parameter,
+in ``_parameters``), then shards: each managed parameter is replaced, under each of
+its names, by an ``nn.Parameter`` holding a ``DTensor`` sharded on one dim (its
+``Layout``, tensor parallelism's DTensors included); the hooks of ``_hooks`` gather
+and free the parameters around forward and backward. If the enclosing apply rolls
+back, an undo step puts the original parameters back and removes the hooks. Also
+``unshard``, ``reshard`` and ``fully_shard_no_sync``, which act on an application.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
-import warnings
-import weakref
-from collections.abc import Callable, Generator, Sequence, Set
-from pathlib import Path
-from types import FrameType
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypeVar, cast, overload
 
 import attrs
-import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
     MixedPrecisionPolicy,
     OffloadPolicy,
     UnshardHandle,
@@ -33,34 +26,37 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import Shard
 from torch.utils.hooks import RemovableHandle
 
-import torchcontract
 from torchcontract import (
-    AlreadyManagedError,
     Contract,
     ContractError,
     Incompatible,
-    InvalidMeshError,
     ModuleListContract,
-    ScalarParameterError,
-    UnnamedMeshError,
     contract,
     exported_from,
     module_label,
-    named_tree,
     on_rollback,
     root_modules,
 )
 
-from .. import _torch
 from ..replicate import replicate
+from ._arguments import (
+    check_arguments,
+    check_mesh,
+    check_offload,
+    check_spmd_resharding,
+    default_mesh,
+    post_forward_mesh,
+    post_forward_size_of,
+    read_resharding,
+)
 from ._group import ALL_GROUPS, ParamGroup
 from ._hooks import ForwardHooks
-from ._layout import Layout, check_post_forward, layout_of
+from ._layout import check_post_forward
 from ._managed import MANAGED
 from ._module import fully_shard_class, restore_class, unshard_group
-from ._placement import shard_dim
-from ._sharding import Location, ManagedParameter, new_origin
-from ._spmd import DataParallelDims, data_parallel_dims, spmd_layout
+from ._parameters import find_parameters, layouts_of
+from ._sharding import ManagedParameter
+from ._spmd import data_parallel_dims
 from ._state import FullyShardState
 from ._state_dict import register_state_dict_hooks
 from ._torch_state import install_torch_state
@@ -76,343 +72,6 @@ __all__ = [
     "reshard",
     "unshard",
 ]
-
-
-@attrs.frozen
-class _Found:
-    """A parameter to manage: its first FQN, the object, and every place it is registered."""
-
-    fqn: str
-    parameter: nn.Parameter
-    locations: list[Location]
-    origin: int
-
-
-def _default_mesh(target: nn.Module) -> DeviceMesh:
-    """A 1-D mesh over the default process group on the accelerator, else CPU (as FSDP2).
-
-    Never on the parameters' device: a model built on ``meta`` would get a ``meta``
-    mesh and fail at its first backward after ``to_empty``.
-    """
-    if not dist.is_initialized():
-        raise ContractError(
-            f"fully_shard on {module_label(target)}: no default process group and no mesh; call "
-            "torch.distributed.init_process_group() first, or pass mesh="
-        )
-    return init_device_mesh(_torch.accelerator_type(), (dist.get_world_size(),))
-
-
-def _shown(value: object) -> str:
-    """``value`` in an error message: its repr if short and simple, else its type's name."""
-    if isinstance(value, str | int | float | None):
-        text = repr(value)
-        return text if len(text) <= 40 else f"{text[:37]}..."
-    return f"a {type(value).__qualname__}"
-
-
-def _check_arguments(
-    target: nn.Module,
-    *,
-    mesh: object,
-    reshard_after_forward: object,
-    mp_policy: object,
-    offload_policy: object,
-    shard_placement_fn: object,
-    ignored_params: object,
-) -> None:
-    """Raise ``TypeError`` naming the argument for one of a wrong type, before anything else."""
-    if mesh is not None and not isinstance(mesh, DeviceMesh):
-        raise TypeError(
-            f"fully_shard on {module_label(target)}: mesh must be a DeviceMesh or None, got "
-            f"{_shown(mesh)}; pass mesh=init_device_mesh(device_type, (world_size,)) "
-            "(DeviceMesh.from_group(group, device_type) wraps a process group)"
-        )
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
-        raise TypeError(
-            f"fully_shard on {module_label(target)}: reshard_after_forward must be a bool, an "
-            f"int or None, got {_shown(reshard_after_forward)}; pass True to free the "
-            "parameters after forward, False to keep them, None for FSDP2's default"
-        )
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
-            f"fully_shard on {_label(target)}: mp_policy must be a torch.distributed.fsdp."
-            f"MixedPrecisionPolicy, got {_shown(mp_policy)}; pass e.g. "
-            "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
-        )
-    for name in ("param_dtype", "reduce_dtype", "output_dtype"):
-        dtype: object = getattr(mp_policy, name)
-        if dtype is None:
-            continue
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(
-                f"fully_shard on {_label(target)}: mp_policy.{name} must be a torch.dtype or None, "
-                f"got {_shown(dtype)}; pass e.g. {name}=torch.bfloat16"
-            )
-        if not dtype.is_floating_point:
-            raise ValueError(
-                f"fully_shard on {_label(target)}: mp_policy.{name} must be a floating-point "
-                f"dtype, got {dtype}; pass e.g. {name}=torch.bfloat16, or None"
-            )
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(
-            f"fully_shard on {_label(target)}: offload_policy must be a torch.distributed.fsdp."
-            f"OffloadPolicy, got {_shown(offload_policy)}; pass OffloadPolicy() or "
-            "CPUOffloadPolicy()"
-        )
-    if shard_placement_fn is not None and not callable(shard_placement_fn):
-        raise TypeError(
-            f"fully_shard on {_label(target)}: shard_placement_fn must be callable or None, got "
-            f"{_shown(shard_placement_fn)}; pass a function of a parameter returning Shard(dim) "
-            "or None"
-        )
-    if ignored_params is not None and not _is_parameter_set(ignored_params):
-        raise TypeError(
-            f"fully_shard on {_label(target)}: ignored_params must be a set of nn.Parameter or "
-            f"None, got {_shown(ignored_params)}; pass e.g. ignored_params={{model.head.weight}}"
-        )
-
-
-def _is_parameter_set(value: object) -> bool:
-    if not isinstance(value, set | frozenset):
-        return False
-    items = cast("set[object] | frozenset[object]", value)
-    return all(isinstance(item, nn.Parameter) for item in items)
-
-
-def _label(target: nn.Module) -> str:
-    return module_label(target)
-
-
-def _check_offload(target: nn.Module, policy: OffloadPolicy, mesh: DeviceMesh) -> None:
-    """Accept ``CPUOffloadPolicy`` on a CPU mesh (the shards are on CPU already), refuse it else."""
-    if isinstance(policy, CPUOffloadPolicy) and mesh.device_type != "cpu":
-        raise NotImplementedError(
-            f"fully_shard on {module_label(target)}: offload_policy=CPUOffloadPolicy() on a "
-            f"{mesh.device_type!r} mesh is not supported (keeping the shards, their gradients and "
-            "the optimizer step on CPU between uses); pass offload_policy=OffloadPolicy(), or a "
-            "CPU mesh"
-        )
-
-
-def _layouts(
-    target: nn.Module,
-    found: Sequence[_Found],
-    mesh: DeviceMesh,
-    placement_fn: Callable[[nn.Parameter], object] | None,
-    spmd: DataParallelDims | None,
-) -> list[Layout]:
-    """Each parameter's layout: its dim from ``placement_fn``, TP's DTensor if it is one.
-
-    With ``spmd`` (``dp_mesh_dims``), each a DTensor on the full mesh.
-    """
-    world = mesh.size(mesh.ndim - 1)
-    layouts: list[Layout] = []
-    for item in found:
-        _check_contiguous(target, item)
-        dim = shard_dim(target, item.fqn, item.parameter, placement_fn, world)
-        if spmd is None:
-            layouts.append(layout_of(target, item.fqn, item.parameter, mesh, dim))
-        else:
-            layouts.append(spmd_layout(target, item.fqn, item.parameter, spmd, dim))
-    return layouts
-
-
-def _check_contiguous(target: nn.Module, item: _Found) -> None:
-    """Refuse a non-contiguous parameter (``channels_last``), as FSDP2 does."""
-    parameter = item.parameter
-    if not parameter.is_contiguous():
-        raise NotImplementedError(
-            f"{_where(target, '', item.fqn)} is not contiguous (strides {parameter.stride()}, "
-            "e.g. channels_last), which fully_shard, as FSDP2, does not shard (FSDP2: FSDP does "
-            f"not support non-contiguous parameters yet: param.shape={parameter.shape} "
-            f"param.stride()={parameter.stride()}); make it contiguous first "
-            "(module.to(memory_format=torch.contiguous_format))"
-        )
-
-
-def _check_spmd_resharding(target: nn.Module, value: bool | int | None) -> None:
-    """As FSDP2: an int ``reshard_after_forward`` is refused with ``dp_mesh_dims``."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        raise NotImplementedError(
-            f"fully_shard on {module_label(target)}: reshard_after_forward={value} (an int) "
-            "with dp_mesh_dims is not supported, as in FSDP2; pass True or False"
-        )
-
-
-def _check_mesh(target: nn.Module, mesh: DeviceMesh) -> None:
-    """A 1-D mesh shards; a 2-D one ``(replicate, shard)`` is HSDP, as FSDP2 reads it.
-
-    Each message holds FSDP2's own for the same mesh, after ours.
-    """
-    if mesh.ndim not in (1, 2):
-        raise InvalidMeshError(
-            f"fully_shard on {module_label(target)}: expected a 1-D mesh (sharding) or a 2-D "
-            f"mesh (replicate, shard) for HSDP, got one of shape {tuple(mesh.shape)} "
-            f"(FSDP2: fully_shard expects a 1D or 2D DeviceMesh but got {mesh}); pass "
-            "mesh=init_device_mesh(device, (world_size,)), or (replicas, shard_size), or "
-            "slice it (mesh['replicate', 'shard'])"
-        )
-    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        raise UnnamedMeshError(
-            f"fully_shard on {module_label(target)}: a 2-D mesh (HSDP) needs dim names "
-            "(FSDP2: Please init the 2D mesh for HSDP with mesh_dim_names specified); pass "
-            "init_device_mesh(device, (replicas, shard_size), mesh_dim_names=('replicate', "
-            "'shard'))"
-        )
-
-
-def _resharding(target: nn.Module, value: bool | int | None, mesh: DeviceMesh) -> bool | None:
-    """``reshard_after_forward`` as FSDP2 reads it: None, True or False; an int checked.
-
-    An int is the world size to reshard to after forward, a divisor of the shard
-    dim's size: 1 means False (FSDP2 warns as well), the size True, and a divisor in
-    between True on a smaller post-forward mesh (``_post_forward_mesh``). Raises
-    ``ValueError`` for any other int.
-    """
-    if value is None or isinstance(value, bool):
-        return value
-    size = mesh.size(mesh.ndim - 1)  # the shard dim's (HSDP replicates over the other)
-    if value < 1 or value > size or size % value != 0:
-        raise ValueError(
-            f"fully_shard on {module_label(target)}: reshard_after_forward as an int is the "
-            f"world size to reshard to after forward and must divide the mesh's size {size}, "
-            f"got {value}; pass True, False or a divisor of {size}"
-        )
-    if value == 1:
-        warnings.warn(
-            f"fully_shard on {module_label(target)}: reshard_after_forward=1 (int) reshards to "
-            "a world of 1, which keeps the parameters unsharded after forward (False); pass "
-            "True to free them",
-            UserWarning,
-            stacklevel=_caller_level(),
-        )
-        return False
-    return True
-
-
-def _post_forward_size(value: bool | int | None, mesh: DeviceMesh) -> int | None:
-    """``value`` if it is an int strictly between 1 and the shard dim's size, else None."""
-    if value is None or isinstance(value, bool) or value in (1, mesh.size(mesh.ndim - 1)):
-        return None
-    return value
-
-
-def _post_forward_mesh(size: int, mesh: DeviceMesh) -> DeviceMesh:
-    """FSDP2's post-forward mesh for an int between 1 and the shard size: ranks in rows of it.
-
-    Every rank builds it (new process groups), as every rank applies ``fully_shard``.
-    """
-    return DeviceMesh(mesh.device_type, mesh.mesh.view(-1, size))
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` that points a warning at the first caller outside this package."""
-    package = str(Path(torchcontract.__file__).parent)
-    level = 1
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        level, frame = level + 1, frame.f_back
-    return level
-
-
-def _find_parameters(
-    targets: Sequence[nn.Module], ignored: Set[int], skipped: list[str]
-) -> list[_Found]:
-    """The parameters under ``targets`` that no nested application manages, validated.
-
-    Raises ``AlreadyManagedError`` for a parameter another application that is
-    not nested in the targets manages; ``ScalarParameterError`` for a 0-d one. A
-    parameter registered where another application's modules do not reach (shared
-    with them) is sharded again, as FSDP2 does, under the same origin: the first
-    forward refuses it (``check_shared``). Parameters whose ids are in ``ignored``
-    are left out, their first FQNs appended to ``skipped``. Reads only: nothing is
-    changed. One index lookup per parameter, and error text only for an error: the
-    cost is linear in the targets' modules and parameters, whatever else is sharded.
-    """
-    inside: set[int] | None = None  # ids of the targets' modules, once a managed one is found
-    shared: dict[int, ParamGroup] = {}  # originals another application also shards, by id
-    nested: dict[int, bool] = {}  # by group id: whether one of its modules is inside
-    found: dict[int, _Found] = {}
-    seen_ignored: set[int] = set()
-    for target in targets:
-        for prefix, module in named_tree(target):
-            for name, parameter in module._parameters.items():
-                if parameter is None:
-                    continue
-                if ignored and id(parameter) in ignored:
-                    if id(parameter) not in seen_ignored:
-                        seen_ignored.add(id(parameter))
-                        skipped.append(_fqn(prefix, name))
-                    continue
-                manager = MANAGED.manager(module, name, parameter)
-                if manager is not None and manager.original:
-                    # Shared with another application's modules: sharded here again, as
-                    # FSDP2 does; the first forward refuses the two groups (``check_shared``).
-                    shared[id(parameter)] = manager.group
-                elif manager is not None:
-                    verdict = nested.get(id(manager.group))
-                    if verdict is None:
-                        if inside is None:
-                            inside = _module_ids(targets)
-                        modules = manager.group.modules()
-                        verdict = nested[id(manager.group)] = any(id(m) in inside for m in modules)
-                    if not verdict:
-                        raise AlreadyManagedError(
-                            f"{_where(target, prefix, name)} is already managed by fully_shard "
-                            f"on {_owner(manager.group)}; apply fully_shard to the inner modules "
-                            "first, then to the outer"
-                        )
-                    continue  # a nested application manages it
-                if parameter.dim() == 0:
-                    raise ScalarParameterError(
-                        f"{_where(target, prefix, name)} is a scalar (0-d), which cannot be "
-                        "sharded on dim 0; reshape it to one element (FSDP2: fully_shard "
-                        "doesn't support scalar parameters. Change "
-                        f"{name} to a 1D tensor with numel equal to 1.)"
-                    )
-                entry = found.get(id(parameter))
-                if entry is None:
-                    entry = found[id(parameter)] = _Found(
-                        _fqn(prefix, name), parameter, [], _origin(parameter, shared)
-                    )
-                entry.locations.append((weakref.ref(module), name))
-    return list(found.values())
-
-
-def _origin(parameter: nn.Parameter, shared: dict[int, ParamGroup]) -> int:
-    """The origin of ``parameter``'s shards: the other application's if it shards it too."""
-    group = shared.get(id(parameter))
-    if group is not None:
-        for managed in group.parameters:
-            if managed.original() is parameter:
-                return managed.origin
-    return new_origin()
-
-
-def _module_ids(targets: Sequence[nn.Module]) -> set[int]:
-    """The ids of every module under ``targets``, themselves included."""
-    seen: set[int] = set()
-    stack = list(targets)
-    while stack:
-        module = stack.pop()
-        if id(module) not in seen:
-            seen.add(id(module))
-            stack.extend(child for child in module._modules.values() if child is not None)
-    return seen
-
-
-def _fqn(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _where(target: nn.Module, prefix: str, name: str) -> str:
-    """How an error names a parameter; built only when there is an error to report."""
-    return f"fully_shard on {module_label(target)}: parameter {_fqn(prefix, name)!r}"
-
-
-def _owner(group: ParamGroup) -> str:
-    modules = group.modules()
-    return module_label(modules[0]) if modules else "a freed module"
 
 
 _M = TypeVar("_M", bound=nn.Module)
@@ -596,7 +255,7 @@ def fully_shard(
     # A list's modules nested in one another: the outer ones hold the group, as the
     # contract's targets (hooks on an inner one would reshard in the outer's forward).
     targets = [module] if isinstance(module, nn.Module) else root_modules(module)
-    _check_arguments(
+    check_arguments(
         targets[0],
         mesh=mesh,
         reshard_after_forward=reshard_after_forward,
@@ -605,24 +264,24 @@ def fully_shard(
         shard_placement_fn=shard_placement_fn,
         ignored_params=ignored_params,
     )
-    mesh = _default_mesh(targets[0]) if mesh is None else mesh
+    mesh = default_mesh(targets[0]) if mesh is None else mesh
     spmd = None
     if dp_mesh_dims is None:
-        _check_mesh(targets[0], mesh)
+        check_mesh(targets[0], mesh)
     else:  # mesh is the full SPMD mesh: shard over the data-parallel dims it names
         spmd = data_parallel_dims(targets[0], mesh, dp_mesh_dims)
-        _check_spmd_resharding(targets[0], reshard_after_forward)
+        check_spmd_resharding(targets[0], reshard_after_forward)
         mesh = spmd.mesh
-    _check_offload(targets[0], offload_policy, mesh)
-    resharding = _resharding(targets[0], reshard_after_forward, mesh)
+    check_offload(targets[0], offload_policy, mesh)
+    resharding = read_resharding(targets[0], reshard_after_forward, mesh)
     ignored: list[str] = []
-    found = _find_parameters(targets, {id(p) for p in ignored_params or ()}, ignored)
-    layouts = _layouts(targets[0], found, mesh, shard_placement_fn, spmd)
-    post_forward_size = _post_forward_size(reshard_after_forward, mesh)
+    found = find_parameters(targets, {id(p) for p in ignored_params or ()}, ignored)
+    layouts = layouts_of(targets[0], found, mesh, shard_placement_fn, spmd)
+    post_forward_size = post_forward_size_of(reshard_after_forward, mesh)
     post_forward = None
     if post_forward_size is not None:  # checked before making its groups
         check_post_forward(targets[0], zip(found, layouts, strict=True), post_forward_size)
-        post_forward = _post_forward_mesh(post_forward_size, mesh)
+        post_forward = post_forward_mesh(post_forward_size, mesh)
     parameters = [
         ManagedParameter(
             item.fqn,

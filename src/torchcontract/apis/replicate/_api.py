@@ -29,9 +29,11 @@ from torchcontract import (
 from .. import _compat, _torch
 from .._swapped_class import restore_class
 from ..checkpoint import checkpoint, describe_value, require_bool, require_one_module
+from ._autograd_hooks import ParameterHook
 from ._buckets import broadcast_from_first_rank
+from ._forward import after_forward, before_forward
 from ._module import replicate_class, sync_switch
-from ._reducer import ParameterHook, Reducer
+from ._reducer import Reducer
 from ._same_model import check_same_model
 from ._state import ReplicateState
 
@@ -65,11 +67,11 @@ class _ForwardHooks:
 
     def before(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if self._reducer is not None:
-            self._reducer.before_forward(module)
+            before_forward(self._reducer, module)
 
     def after(self, module: nn.Module, args: tuple[Any, ...], output: object) -> None:
         if self._reducer is not None:
-            self._reducer.after_forward(module, output)
+            after_forward(self._reducer, module, output)
 
 
 def _count_synchronization(module: nn.Module, buckets: tuple[tuple[str, ...], ...] | None) -> None:

@@ -20,11 +20,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._C._distributed_c10d import GradBucket
 
-from torchcontract import module_label
+from torchcontract import ContractError, module_label
 
 from .. import _torch
 
-__all__ = ["Bucket", "CommHook", "check_comm_hook"]
+__all__ = ["Bucket", "CommHook", "check_comm_hook", "hook_result"]
 
 #: ``hook(state, bucket)``: a future of the bucket's reduced buffer, as DDP's hooks are
 #: typed (``bucket`` is a ``Bucket`` at run time, answering ``GradBucket``'s methods).
@@ -127,3 +127,22 @@ def _bf16_supported() -> bool:
     nccl = cuda and dist.is_nccl_available() and _torch.nccl_version() >= (2, 10)
     xccl = bool(getattr(dist, "is_xccl_available", lambda: False)()) and torch.xpu.is_available()
     return nccl or xccl
+
+
+def hook_result(where: Callable[[], str], position: int, flat: Tensor, result: object) -> Tensor:
+    """What a hook's future gave for bucket ``position``, checked: a tensor of its size.
+
+    ``where()`` names the application, in the error only.
+    """
+    if not isinstance(result, Tensor) or result.numel() != flat.numel():
+        given = (
+            f"a tensor of {result.numel()} elements"
+            if isinstance(result, Tensor)
+            else type(result).__qualname__
+        )
+        raise ContractError(
+            f"{where()}: the communication hook's future for bucket {position} gave "
+            f"{given}, not a tensor of the bucket buffer's {flat.numel()} elements; return "
+            "a future of the reduced bucket.buffer()"
+        )
+    return result

@@ -2,15 +2,21 @@
 
 Under ``torch.distributed.algorithms.Join``, a rank whose inputs ran out calls
 ``main_hook`` once per iteration the others still run, which meets their
-collectives with zeros (``Reducer.shadow``); at the end every rank calls
-``post_hook``, and all take the model of the last rank to join.
+collectives: the buffer broadcast (from the last rank not joined), whether a
+synchronizing backward follows, and then its all-reduces with zeros
+(``Reducer.shadow_backward``). At the end every rank calls ``post_hook``, and all
+take the model of the last rank to join.
 """
 
 from __future__ import annotations
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 from torch.distributed.algorithms.join import JoinHook
 
+from .. import _torch
+from ._buckets import broadcast_from
+from ._forward import broadcast_buffers, common_rank, will_broadcast_buffers
 from ._reducer import Reducer
 
 __all__ = ["ReplicateJoinHook"]
@@ -33,8 +39,27 @@ class ReplicateJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         """Meet one forward and backward of the ranks not joined."""
-        self._reducer.shadow(self._module)
+        reducer, module = self._reducer, self._module
+        record = reducer.record(module)
+        if record is None:
+            return
+        if will_broadcast_buffers(reducer, record):
+            broadcast_buffers(reducer, module, common_rank(reducer, False))
+        flags = torch.zeros(2)
+        _torch.all_reduce(flags, reducer.group).wait()
+        reducer.sync_buffers_next_forward = bool(flags[0] > 0)
+        if not bool(flags[1] > 0):
+            return
+        reducer.shadow_backward(module)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Take the parameters (and buffers) of the last rank to join."""
-        self._reducer.sync_final_model(self._module, is_last_joiner)
+        reducer, module = self._reducer, self._module
+        record = reducer.record(module)
+        if record is None:
+            return
+        source = common_rank(reducer, is_last_joiner)
+        tensors: list[Tensor] = [*module.parameters()]
+        if record.broadcast_buffers:
+            tensors.extend(module.buffers())
+        broadcast_from(tensors, reducer.group, reducer.cap_bytes, source)

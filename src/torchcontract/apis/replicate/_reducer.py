@@ -32,10 +32,14 @@ Semantics are those of ``DistributedDataParallel``, keyword for keyword:
   bucket's buffer holds the gradients alone, undivided, and the hook reduces
   it; whether a parameter was used is then all-reduced once per backward, after
   the buckets, as DDP does.
-* Under ``torch.distributed.algorithms.Join`` (``join.py``), a rank whose inputs
-  ran out shadows the others' collectives (``shadow``) with zeros.
+* Under ``torch.distributed.algorithms.Join`` (``_join``), a rank whose inputs
+  ran out meets the others' collectives with zeros (``shadow_backward``).
 
-The reducer holds the module and its parameters weakly: the hooks and the
+Beside it: the forward's side, buffers and armed outputs (``_forward``), the bucket
+buffers and their views (``_bucket_views``), DDP's caps and the rebuild
+(``_rebuild``), unused-parameter tracking (``_unused``), a communication hook's
+result (``_comm_hook``), and the autograd hooks that call the reducer
+(``_autograd_hooks``). The reducer holds the module and its parameters weakly: the hooks and the
 module's class methods (through ``reducer_of``) hold the reducer, and dropping
 the model frees it.
 """
@@ -43,7 +47,6 @@ the model frees it.
 from __future__ import annotations
 
 import contextlib
-import sys
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Final, cast
@@ -53,23 +56,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch._C._distributed_c10d import GradBucket
-from torch.distributed.algorithms.join import Join, Joinable, _JoinConfig
+from torch.distributed.algorithms.join import _JoinConfig
 
 from torchcontract import (
     Application,
     ContractError,
-    IncompatibleAPIError,
     UnusedParameterError,
     module_label,
-    named_tree,
-    torch_registry,
 )
 
 from .. import _torch
-from ._buckets import FIRST_BUCKET_BYTES, assign_buckets_as_ddp, broadcast_from
-from ._comm_hook import Bucket, CommHook
-from ._outputs import find_tensors
+from ._bucket_views import copy_in, new_buffer, point_into_bucket, split, write_back
+from ._buckets import FIRST_BUCKET_BYTES, assign_buckets_as_ddp
+from ._comm_hook import Bucket, CommHook, hook_result
+from ._rebuild import first_limits, limits, rebuild_order
 from ._state import ReplicateState
+from ._unused import unused_error, used_from_flags, used_on_some_rank
 
 __all__ = ["Reducer", "reducer_of"]
 
@@ -135,12 +137,12 @@ class Reducer:
         self._backwards_before_rebuild = 1 if static_graph else 0
         self.update: Final = update
         self._comm_hook: tuple[object, CommHook] | None = None
-        # Join (see join.py): the config torch's Join sets on the module, whether
+        # Join (see _join): the config torch's Join sets on the module, whether
         # to divide by the group's size or by the ranks not joined, and this
         # forward's count of those (an all-reduce Join started).
         self.join_config: _JoinConfig = _torch.disabled_join_config()
         self.divide_by_initial_world_size = True
-        self._active_ranks: dist.Work | None = None
+        self.active_ranks: dist.Work | None = None
         parameters = [parameter for _, parameter in named]
         self._on_synchronized = on_synchronized
         count = len(named)
@@ -150,15 +152,16 @@ class Reducer:
         self._arrival: list[int] | None = [] if self._rebuilds else None
         # Set by a synchronized backward in which some parameters got no gradient (without
         # unused parameters found): the error the next forward raises, as DDP's.
-        self._unfinished: UnusedParameterError | None = None
+        self.unfinished: UnusedParameterError | None = None
         self._task = -1  # the autograd graph task that synchronizes, or -1
         # DDP's require_forward_param_sync: buffers are broadcast before a forward
         # that follows a synchronizing one (and before the first).
         self.sync_buffers_next_forward = True
         # As DDP: a module without buffers at apply never broadcasts any, and skips the
         # walk over its tree that finds them on every forward.
-        self._has_buffers = next(module.buffers(), None) is not None
-        self._checked_torch_apis = False
+        self.has_buffers = next(module.buffers(), None) is not None
+        # Whether a forward checked that torch's own APIs came not after ours (_forward).
+        self.checked_torch_apis = False
         self._launched: list[_Pending] = []  # in order, not yet waited for
         # DDP's first assignment: in the parameters' order, launched last first.
         buckets = assign_buckets_as_ddp(parameters, range(count), self._first_limits())
@@ -171,7 +174,12 @@ class Reducer:
         """The group gradients are averaged over."""
         return self._group
 
-    def _where(self) -> str:
+    @property
+    def cap_bytes(self) -> int:
+        """The bucket cap, in bytes: broadcasts go in chunks of it too."""
+        return self._cap_bytes
+
+    def where(self) -> str:
         """How errors name this application: ``replicate on <class> '<fqn>'``."""
         module = self._module()
         return "replicate" if module is None else f"replicate on {module_label(module)}"
@@ -238,82 +246,6 @@ class Reducer:
         self._arrived = [False] * len(self._names)  # in the synchronized backward running
         self._next = 0  # the next bucket to launch: buckets launch strictly in order
         self._launched = []
-
-    # ------------------------------------------------------------ forward
-
-    def before_forward(self, module: nn.Module) -> None:
-        """Forward pre-hook body: broadcast rank 0's buffers when DDP would."""
-        record = self._application.record(module)
-        if record is None:
-            return
-        if not self._checked_torch_apis:
-            _check_no_torch_api(module)
-            self._checked_torch_apis = True
-        if record.rank_local:
-            return
-        if self._unfinished is not None and torch.is_grad_enabled():
-            # DDP's check, at the same moment: before any forward with grad enabled.
-            raise self._unfinished
-        # Under Join, tell the joined ranks this one has not joined (the sum is the
-        # count of ranks not joined); None outside Join.
-        self._active_ranks = Join.notify_join_context(cast(Joinable, module))
-        if self._will_broadcast_buffers(record):
-            # Under Join rank 0 may have joined, its buffers stale: as DDP, the last
-            # rank not joined is the source.
-            source = self._common_rank(True) if self.join_config.enable else 0
-            self._broadcast_buffers(module, source)
-
-    def _will_broadcast_buffers(self, record: ReplicateState) -> bool:
-        return (
-            self._has_buffers
-            and self.sync_buffers_next_forward
-            and self._group.size() > 1
-            and record.broadcast_buffers
-        )
-
-    def _broadcast_buffers(self, module: nn.Module, source: int) -> None:
-        # Read the buffers anew each time, as DDP does: a forward may have replaced one.
-        broadcast_from(list(module.buffers()), self._group, self._cap_bytes, source)
-
-    def _common_rank(self, candidate: bool) -> int:
-        """The largest group rank of those for which ``candidate`` holds (a collective)."""
-        rank = torch.tensor([self._group.rank() if candidate else -1], dtype=torch.int64)
-        _torch.all_reduce_max(rank, self._group)
-        found = int(rank.item())
-        if found < 0:
-            raise ContractError(
-                f"{self._where()}: no rank of the group offered itself as the source of the "
-                "broadcast; every rank must enter Join with the model"
-            )
-        return found
-
-    def after_forward(self, module: nn.Module, output: object) -> None:
-        """Forward hook body: arm the outputs of a synchronizing forward.
-
-        As DDP, a synchronizing forward whose output holds no tensor that requires
-        grad arms nothing (DDP finds no parameter to wait for), yet buffers are
-        broadcast before the next forward.
-        """
-        record = self._application.record(module)
-        if record is None or record.rank_local:
-            return
-        synchronizing = torch.is_grad_enabled() and record.sync_gradients
-        self.sync_buffers_next_forward = synchronizing
-        tensors = (
-            [tensor for tensor in find_tensors(output) if tensor.requires_grad]
-            if synchronizing
-            else []
-        )
-        if self.join_config.enable:
-            # Tell the joined ranks whether buffers are broadcast before the next
-            # forward, and whether a synchronizing backward follows (see shadow).
-            _torch.all_reduce(
-                torch.tensor([float(synchronizing), float(bool(tensors))]), self._group
-            ).wait()
-        if tensors:
-            armed = _Armed(self)
-            for tensor in tensors:
-                _torch.register_tensor_hook(tensor, armed)
 
     # ------------------------------------------------------------ backward
 
@@ -383,7 +315,7 @@ class Reducer:
 
     def _divisor(self) -> int:
         """What the sums are divided by: the group's size, or (Join) the ranks not joined."""
-        work = self._active_ranks
+        work = self.active_ranks
         if work is None or self.divide_by_initial_world_size:
             return self._group.size()
         work.wait()
@@ -413,54 +345,33 @@ class Reducer:
         scale: float,
     ) -> None:
         """Copy scaled gradients into the bucket one by one: zeros where there is none."""
-        for index, grad, view in zip(bucket, grads, views, strict=False):
-            if grad is None:
-                view.zero_()
-            elif grad.is_sparse:
-                raise ContractError(
-                    f"{self._where()}: parameter {self._names[index]!r} has a sparse gradient, "
-                    "which replicate does not average; use dense gradients (e.g. "
-                    "nn.Embedding(sparse=False)) or DistributedDataParallel"
-                )
-            else:
-                torch.mul(grad, scale, out=view)
+        copy_in(bucket, grads, views, scale, self._sparse_error)
+
+    def _sparse_error(self, index: int) -> ContractError:
+        return ContractError(
+            f"{self.where()}: parameter {self._names[index]!r} has a sparse gradient, "
+            "which replicate does not average; use dense gradients (e.g. "
+            "nn.Embedding(sparse=False)) or DistributedDataParallel"
+        )
 
     def _allocate(self, position: int) -> list[Tensor]:
-        """Make a bucket's flat buffer, kept across backwards, and its views per parameter.
-
-        Each parameter's view has the parameter's shape, made once here rather than
-        on every copy in and out.
-        """
+        """Make a bucket's flat buffer, kept across backwards, and its views per parameter."""
         bucket = self._buckets[position]
-        first = self._parameter(bucket[0])
-        size = sum(self._parameter(index).numel() for index in bucket)
         flags = len(bucket) if self._flags_in_buckets else 0
-        flat = torch.empty(size + flags, dtype=first.dtype, device=first.device)
+        flat, views = new_buffer(bucket, self._parameter, flags)
         self._flats[position] = flat
-        views = self._split(position, flat)
         self._views[position] = views
         return views
 
     def _split(self, position: int, flat: Tensor) -> list[Tensor]:
-        """Views of a bucket-sized ``flat``, one per parameter in its shape, then the rest.
-
-        The rest is the used-flags, empty with a communication hook.
-        """
-        parameters = [self._parameter(index) for index in self._buckets[position]]
-        sizes = [parameter.numel() for parameter in parameters]
-        pieces = torch.split(flat, [*sizes, flat.numel() - sum(sizes)])
-        views = [
-            piece.view(parameter.shape)
-            for piece, parameter in zip(pieces[:-1], parameters, strict=True)
-        ]
-        views.append(pieces[-1])
-        return views
+        """Views of a bucket-sized ``flat``, one per parameter in its shape, then the rest."""
+        return split(self._buckets[position], self._parameter, flat)
 
     def _parameter(self, index: int) -> Tensor:
         parameter = self._parameters[index]()
         if parameter is None:
             raise ContractError(
-                f"{self._where()}: parameter {self._names[index]!r} was freed; keep the model's "
+                f"{self.where()}: parameter {self._names[index]!r} was freed; keep the model's "
                 "parameters in it while it is replicated"
             )
         return parameter
@@ -469,8 +380,8 @@ class Reducer:
         """Run by the autograd engine at the end of a synchronizing backward."""
         rebuilt: tuple[tuple[str, ...], ...] | None = None
         try:
-            self._unfinished = self._unused_error()
-            if self._unfinished is not None:
+            self.unfinished = self._unused_error()
+            if self.unfinished is not None:
                 # As DDP's: the buckets from the first incomplete one on are never
                 # launched, no gradient is averaged, and the next forward raises.
                 self._wait_launched()
@@ -504,19 +415,7 @@ class Reducer:
         return results
 
     def _hook_result(self, position: int, result: object) -> Tensor:
-        flat = self._flats[position]
-        if not isinstance(result, Tensor) or result.numel() != flat.numel():
-            given = (
-                f"a tensor of {result.numel()} elements"
-                if isinstance(result, Tensor)
-                else type(result).__qualname__
-            )
-            raise ContractError(
-                f"{self._where()}: the communication hook's future for bucket {position} gave "
-                f"{given}, not a tensor of the bucket buffer's {flat.numel()} elements; return "
-                "a future of the reduced bucket.buffer()"
-            )
-        return result
+        return hook_result(self.where, position, self._flats[position], result)
 
     @property
     def _flags_in_buckets(self) -> bool:
@@ -524,41 +423,10 @@ class Reducer:
         return self._tracks_used and self._comm_hook is None
 
     def _unused_error(self) -> UnusedParameterError | None:
-        """Without unused parameters found: DDP's error if a parameter got no gradient.
-
-        DDP's text first (code that matches it keeps matching), then the parameters
-        by name and what to do; raised by the next forward with grad enabled.
-        """
+        """Without unused parameters found: DDP's error if a parameter got no gradient."""
         if self._tracks_used:
             return None
-        missing = [
-            name for name, arrived in zip(self._names, self._arrived, strict=True) if not arrived
-        ]
-        if not missing:
-            return None
-        ddp = (
-            "Expected to have finished reduction in the prior iteration before starting a "
-            "new one. This error indicates that your module has parameters that were not "
-            "used in producing loss: "
-        )
-        if len(missing) == len(self._names):
-            # Not one gradient accumulated: the backward computed them without accumulating
-            # (torch.autograd.grad, backward(inputs=...), a pipeline schedule that splits
-            # the backward into its input and weight parts).
-            return UnusedParameterError(
-                f"{ddp}{self._where()} got no gradient at all in the last synchronizing "
-                "backward through its outputs: gradients that torch.autograd.grad, "
-                "backward(inputs=...) or a zero-bubble pipeline schedule compute are not "
-                "accumulated, so replicate cannot average them; run such forwards under "
-                "no_sync(module) or rank_local(module), or call loss.backward()"
-            )
-        shown = ", ".join(repr(name) for name in missing[:5])
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        return UnusedParameterError(
-            f"{ddp}{self._where()} got no gradient for {shown}{more} in the last "
-            "synchronizing backward; pass find_unused_parameters=True to replicate, or make "
-            "every parameter take part in the loss"
-        )
+        return unused_error(self._names, self._arrived, self.where)
 
     def _used_everywhere(self, results: list[tuple[int, Tensor]]) -> list[bool]:
         """By parameter, whether some rank used it since the last synchronization.
@@ -568,83 +436,28 @@ class Reducer:
         """
         if not self._tracks_used:
             return [True] * len(self._names)
-        used = [False] * len(self._names)
         if self._flags_in_buckets:
-            for position, flat in results:
-                bucket = self._buckets[position]
-                flags = _torch.to_bools(flat[flat.numel() - len(bucket) :] > 0)
-                for index, flag in zip(bucket, flags, strict=True):
-                    used[index] = flag
-            return used
-        local = torch.tensor([1 if was else 0 for was in self._used], dtype=torch.int32)
-        if self._group.size() > 1:
-            _torch.all_reduce(local, self._group).wait()
-        return _torch.to_bools(local > 0)
+            return used_from_flags(self._buckets, results, len(self._names))
+        return used_on_some_rank(self._used, self._group)
 
     def _write_back(self, position: int, reduced: Tensor, used: Sequence[bool]) -> None:
         bucket = self._buckets[position]
         views = self._views[position]
         if self.gradient_as_bucket_view and views is not None:
-            self._point_into_bucket(position, reduced, views, used)
+            flat = self._flats[position]
+            point_into_bucket(bucket, self._parameter, flat, reduced, views=views, used=used)
             return
         if views is None or reduced is not self._flats[position]:
             views = self._split(position, reduced)  # a hook's own tensor
-        grads: list[Tensor] = []
-        averages: list[Tensor] = []
-        for index, average in zip(bucket, views, strict=False):
-            if not used[index]:
-                continue
-            parameter = self._parameter(index)
-            grad = parameter.grad
-            if grad is None:
-                parameter.grad = average.clone()
-            else:
-                grads.append(grad)
-                averages.append(average)
-        if grads:
-            _torch.copy_each(grads, averages)  # one call for the whole bucket
-
-    def _point_into_bucket(
-        self, position: int, reduced: Tensor, views: Sequence[Tensor], used: Sequence[bool]
-    ) -> None:
-        """``gradient_as_bucket_view``: each used parameter's ``.grad`` becomes its bucket view.
-
-        As DDP's: the averages stay in the bucket buffer (a hook's own tensor is
-        copied in first) and ``.grad`` is a view of it, so no gradient-sized
-        tensor is kept besides the buckets; the next backward accumulates into
-        the view in place, and the next launch scales it where it lies.
-        """
-        flat = self._flats[position]
-        if reduced is not flat:
-            flat[: reduced.numel()].copy_(reduced)
-        for index, view in zip(self._buckets[position], views, strict=False):
-            if not used[index]:
-                continue
-            parameter = self._parameter(index)
-            if parameter.grad is not view:
-                parameter.grad = view
+        write_back(bucket, self._parameter, views, used)
 
     # ------------------------------------------------------------ hooks and Join
 
     def _first_limits(self) -> tuple[int, ...]:
-        """DDP's caps for the first assignment (``compute_bucket_size_limits``).
-
-        The list given; else one bucket per kind where DDP rebuilds them later (it
-        cannot know the order gradients arrive in); else the rebuild's caps.
-        """
-        if self._cap_list:
-            return self._cap_list
-        if self._rebuilds:
-            return (sys.maxsize,)
-        return self._limits()
+        return first_limits(self._cap_list, self._rebuilds, self._default_cap, self._cap_bytes)
 
     def _limits(self) -> tuple[int, ...]:
-        """DDP's bucket caps: the list given, or 1 MiB then the cap (the default cap only)."""
-        if self._cap_list:
-            return self._cap_list
-        if self._default_cap:
-            return (FIRST_BUCKET_BYTES, self._cap_bytes)
-        return (self._cap_bytes,)
+        return limits(self._cap_list, self._default_cap, self._cap_bytes)
 
     def register_comm_hook(self, module: nn.Module, state: object, hook: CommHook) -> None:
         """From the next backward, ``hook(state, bucket)`` reduces each bucket (checked first).
@@ -665,24 +478,12 @@ class Reducer:
         self._comm_hook = (state, hook)
         self._set_buckets(self._buckets)
 
-    def shadow(self, module: nn.Module) -> None:
-        """On a rank whose inputs ran out, meet one forward and backward of the others.
+    def shadow_backward(self, module: nn.Module) -> None:
+        """On a rank whose inputs ran out, meet the others' synchronizing backward with zeros.
 
-        Called by the Join hook once per iteration of the ranks not joined: the
-        buffer broadcast (from the last rank not joined), whether a synchronizing
-        backward follows, and then its all-reduces with zeros, in the buckets' order,
-        through the communication hook if one is registered.
+        Their all-reduces, in the buckets' order, through the communication hook if one
+        is registered (``_join``'s hook calls this once the others said one follows).
         """
-        record = self.record(module)
-        if record is None:
-            return
-        if self._will_broadcast_buffers(record):
-            self._broadcast_buffers(module, self._common_rank(False))
-        flags = torch.zeros(2)
-        _torch.all_reduce(flags, self._group).wait()
-        self.sync_buffers_next_forward = bool(flags[0] > 0)
-        if not bool(flags[1] > 0):
-            return
         for position in range(len(self._buckets)):
             if self._views[position] is None:
                 self._allocate(position)
@@ -710,17 +511,6 @@ class Reducer:
         finally:
             self._reset_backward()
 
-    def sync_final_model(self, module: nn.Module, is_last_joiner: bool) -> None:
-        """After Join: every rank takes the parameters (and buffers) of the last rank to join."""
-        record = self.record(module)
-        if record is None:
-            return
-        source = self._common_rank(is_last_joiner)
-        tensors: list[Tensor] = [*module.parameters()]
-        if record.broadcast_buffers:
-            tensors.extend(module.buffers())
-        broadcast_from(tensors, self._group, self._cap_bytes, source)
-
     def _rebuild_after(self, arrival: list[int]) -> bool:
         """End of a synchronized backward, buckets still to rebuild: rebuild now, or not yet.
 
@@ -735,61 +525,7 @@ class Reducer:
         return True
 
     def _rebuild(self, arrival: list[int]) -> None:
-        """DDP's rebuild: bucket anew in the first rank's arrival order, with DDP's caps.
-
-        Parameters that did not arrive (a static graph's unused ones) come last, the
-        last defined first.
-        """
-        arrived = set(arrival)
-        order = arrival + [i for i in reversed(range(len(self._names))) if i not in arrived]
-        shared = torch.tensor(order, dtype=torch.int64)  # the first rank's, on every rank
-        if self._group.size() > 1:
-            _torch.broadcast(shared, 0, self._group)
+        """DDP's rebuild: bucket anew in the first rank's arrival order, with DDP's caps."""
+        order = rebuild_order(arrival, len(self._names), self._group)
         parameters = [self._parameter(index) for index in range(len(self._names))]
-        self._set_buckets(assign_buckets_as_ddp(parameters, _torch.to_ints(shared), self._limits()))
-
-
-def _check_no_torch_api(root: nn.Module) -> None:
-    """Refuse torch's ``replicate``/``fully_shard`` applied on or inside ``root`` after ours.
-
-    Torch's contract cannot see our rules, so it allowed them; the first forward is
-    the first moment to say so (torch's ``fully_shard`` has replaced the parameters
-    by then, and torch's ``replicate`` would average the gradients a second time).
-    """
-    for fqn, module in named_tree(root):
-        for name in ("fully_shard", "replicate"):
-            if name in torch_registry(module):
-                where = "on it" if not fqn else f"on {type(module).__qualname__} {fqn!r} inside it"
-                raise IncompatibleAPIError(
-                    f"torchcontract.apis.replicate.replicate on {module_label(root)} cannot be "
-                    f"combined with torch's {name}, applied after it {where} (found at the "
-                    "first forward); apply only one of them to this part of the model"
-                )
-
-
-class _Armed:
-    """Hook on the outputs of one synchronizing forward: the first backward through them syncs."""
-
-    __slots__ = ("_reducer", "_used")
-
-    def __init__(self, reducer: Reducer) -> None:
-        self._reducer = reducer
-        self._used = False
-
-    def __call__(self, grad: Tensor) -> None:
-        if not self._used:
-            self._used = True
-            self._reducer.begin()
-
-
-class ParameterHook:
-    """The post-accumulate-grad hook of one parameter: tells the reducer it is ready."""
-
-    __slots__ = ("_index", "_reducer")
-
-    def __init__(self, reducer: Reducer, index: int) -> None:
-        self._reducer = reducer
-        self._index = index
-
-    def __call__(self, parameter: Tensor) -> None:
-        self._reducer.ready(self._index)
+        self._set_buckets(assign_buckets_as_ddp(parameters, order, self._limits()))

@@ -1,0 +1,50 @@
+"""The two autograd hooks of a replicated module: on a synchronizing forward's outputs, and
+on each parameter once its gradient was accumulated.
+
+Each holds its reducer and tells it one thing: a backward that synchronizes began
+(``Armed``), or a parameter's gradient is ready (``ParameterHook``).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from torch import Tensor
+
+__all__ = ["Armed", "ParameterHook"]
+
+
+class _Begins(Protocol):
+    def begin(self) -> None: ...
+
+
+class _Readies(Protocol):
+    def ready(self, index: int) -> None: ...
+
+
+class Armed:
+    """Hook on the outputs of one synchronizing forward: the first backward through them syncs."""
+
+    __slots__ = ("_reducer", "_used")
+
+    def __init__(self, reducer: _Begins) -> None:
+        self._reducer = reducer
+        self._used = False
+
+    def __call__(self, grad: Tensor) -> None:
+        if not self._used:
+            self._used = True
+            self._reducer.begin()
+
+
+class ParameterHook:
+    """The post-accumulate-grad hook of one parameter: tells the reducer it is ready."""
+
+    __slots__ = ("_index", "_reducer")
+
+    def __init__(self, reducer: _Readies, index: int) -> None:
+        self._reducer = reducer
+        self._index = index
+
+    def __call__(self, parameter: Tensor) -> None:
+        self._reducer.ready(self._index)
