@@ -15,6 +15,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, Final, Generic, Self, TypeVar, overload
 
+import attrs
 from torch import nn
 from typing_extensions import ParamSpec
 
@@ -34,10 +35,21 @@ from ._store import Cell, StateStore, atoms_only_test
 
 __all__ = [
     "Contract",
+    "EmptyState",
     "ModuleContract",
     "ModuleListContract",
     "ModuleSequenceContract",
 ]
+
+
+@attrs.frozen
+class EmptyState:
+    """The record of an API that keeps no state of its own: ``contract()``'s default.
+
+    Defined here, beside ``Contract``, so that pickles naming
+    ``torchcontract._contract.EmptyState`` keep loading.
+    """
+
 
 _P = ParamSpec("_P")
 # What a call returns: only ever returned, so a contract returning ``nn.Linear`` is

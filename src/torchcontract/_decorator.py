@@ -15,7 +15,13 @@ from torch import nn
 from typing_extensions import ParamSpec, TypeIs
 
 from ._api_types import Incompatible
-from ._contract import Contract, ModuleContract, ModuleListContract, ModuleSequenceContract
+from ._contract import (
+    Contract,
+    EmptyState,
+    ModuleContract,
+    ModuleListContract,
+    ModuleSequenceContract,
+)
 from ._errors import InvalidStateClassError
 from ._store import DEFAULT_STORE, StateStore, check_holds_no_module
 
@@ -30,11 +36,6 @@ _Result = TypeVar("_Result", bound="nn.Module | Sequence[nn.Module]")
 _M = TypeVar("_M", bound=nn.Module)
 # The items of the lists an API function declares it takes (``list[nn.Linear]``).
 _Item = TypeVar("_Item", bound=nn.Module)
-
-
-@attrs.frozen
-class EmptyState:
-    """The record of an API that keeps no state of its own: ``contract()``'s default."""
 
 
 class _KeepsModule(Protocol[_P]):
