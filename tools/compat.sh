@@ -45,7 +45,8 @@ for version in $versions; do
   "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps -e . >/dev/null
   log="$root/torch-$version.log"
   echo "== torch $version: running the tests (log: $log)"
-  CI=true "$venv/bin/python" -m pytest -q -p no:cacheprovider tests >"$log" 2>&1
+  CI=true "$venv/bin/python" -m pytest -q -p no:cacheprovider -n auto --dist loadfile tests \
+    >"$log" 2>&1
   code=$?
   result=$(grep -E '^=*.*(passed|failed|error).* in [0-9.]+s' "$log" | tail -n 1 | tr -d '=' \
     | sed -e 's/^ *//' -e 's/ *$//')
