@@ -174,5 +174,6 @@ def test_the_manager_hook_averages_each_bucket_through_the_manager() -> None:
     reference(x).sum().backward()
     assert manager.calls == 1  # one bucket
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
-        assert ours.grad is not None and theirs.grad is not None
+        assert ours.grad is not None
+        assert theirs.grad is not None
         assert torch.equal(ours.grad, theirs.grad / 2)
