@@ -10,7 +10,7 @@ imported here.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import Tensor
@@ -33,11 +33,11 @@ class AllReduceManager(Protocol):
     """What the hook needs of its state: torchft's ``Manager.allreduce``.
 
     ``allreduce(tensor)`` averages ``tensor`` over the replica groups taking part
-    in the step; its work's future gives the averaged tensor (after a failure,
-    one the manager will not commit).
+    in the step and returns torchft's work: ``wait()``, then ``get_future().wait()``
+    gives the averaged tensor (after a failure, one the manager will not commit).
     """
 
-    def allreduce(self, tensor: Tensor, /) -> _AllReduceWork: ...
+    def allreduce(self, tensor: Tensor, /) -> object: ...
 
 
 def manager_allreduce_hook(
@@ -53,7 +53,7 @@ def manager_allreduce_hook(
     its peers. The all-reduce is waited for here, as torchft's own hook does;
     the future returned is done.
     """
-    work = manager.allreduce(bucket.buffer())
+    work = cast("_AllReduceWork", manager.allreduce(bucket.buffer()))
     work.wait()  # torchft's future gives its tensor only once the work has ended
     averaged = work.get_future().wait()
     done: torch.futures.Future[Tensor] = torch.futures.Future()
