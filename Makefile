@@ -4,8 +4,8 @@ BIN    := $(VENV)/bin
 PYTHON ?= python3
 .DEFAULT_GOAL := help
 
-.PHONY: help test lint typecheck docs docs-serve unit test-gpu demo bench dist compat fuzz mutate \
-	mutate-apis clean
+.PHONY: help test lint typecheck docs docs-serve unit test-slow test-gpu demo bench dist compat \
+	fuzz mutate mutate-apis clean
 
 # `make help`: every target with its one line, the text after `##` on the target's line
 # (tests/test_commands.py checks that every target has one).
@@ -48,11 +48,18 @@ docs-serve: $(BIN)/.installed  ## serve the documentation site on http://127.0.0
 # pytest-xdist, one worker per core; --dist loadfile keeps each test file on one worker,
 # so module-scoped fixtures (the in-process process groups, each file's ranks) are set up
 # once, as in a serial run. Every distributed test picks free ports. The slowest tests are
-# listed at the end; docs/generated/unit.md gets the counts and the time.
+# listed at the end; docs/generated/unit.md gets the counts and the time. The tests marked
+# `slow` (minutes each: torchrun restarts and nodes, torchft under HSDP, 8 ranks) are
+# `make test-slow`'s, which CI runs after `make test`.
+PYTEST_XDIST := $(BIN)/pytest -q -n auto --dist loadfile --durations=15
 unit: $(BIN)/.installed  ## pytest: unit, typing, distributed (gloo on CPU) and docs tests
 	@$(BIN)/python -c 'import platform, torch; print(f"testing against torch {torch.__version__} (Python {platform.python_version()})")'
-	$(BIN)/pytest -q -n auto --dist loadfile --durations=15 --junitxml=.unit.xml; \
+	$(PYTEST_XDIST) -m 'not slow and not gpu' --junitxml=.unit.xml; \
 		status=$$?; $(BIN)/python tools/record_run.py unit .unit.xml; exit $$status
+
+test-slow: $(BIN)/.installed  ## the slow tests: torchrun, torchft under HSDP, 8 ranks (CI runs them)
+	$(PYTEST_XDIST) -m 'slow and not gpu' --junitxml=.slow.xml; \
+		status=$$?; $(BIN)/python tools/record_run.py slow .slow.xml; exit $$status
 
 # On a machine with CUDA: the parity tests that fit one device (pytest marker "gpu", which
 # every other run deselects);
@@ -103,4 +110,4 @@ mutate-apis: $(BIN)/.installed  ## behavioural mutants of apis/ and testing
 
 clean:  ## remove .venv, the caches, mutants and site/
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis mutants site .fuzz.xml \
-		.unit.xml
+		.unit.xml .slow.xml

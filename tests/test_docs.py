@@ -153,6 +153,7 @@ def test_the_pages_include_the_generated_figures() -> None:
     assert steps in (DOCS / "performance.md").read_text()
     assert '--8<-- "docs/generated/fuzz.md"' in (DOCS / "development.md").read_text()
     assert '--8<-- "docs/generated/test.md"' in (DOCS / "development.md").read_text()
+    assert '--8<-- "docs/generated/slow.md"' in (DOCS / "development.md").read_text()
 
 
 def test_troubleshooting_explains_every_exception_the_library_raises() -> None:

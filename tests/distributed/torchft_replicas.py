@@ -230,7 +230,26 @@ def _train(start: _Start) -> RankReport:
             parameters,
         )
     finally:
+        _leave_together(store, rank, plan)
         manager.shutdown(wait=False)
+
+
+def _leave_together(store: TCPStore, rank: int, plan: Plan) -> None:
+    """Hold the group's rank 0 until every rank of the group is past its last request.
+
+    The group's manager server and its store live in rank 0's process: were rank 0 to
+    shut them down as soon as its own last ``should_commit`` returned, a peer whose reply
+    was still on the wire would fail with gRPC's "transport error". A rank that died
+    meanwhile is waited for ``plan.timeout`` at most; a failed barrier hides no error of
+    the training, which the rank has already raised or returned.
+    """
+    try:
+        store.set(f"left/{rank}", "1")
+        if rank == 0:
+            keys = [f"left/{peer}" for peer in range(plan.ranks_per_group)]
+            store.wait(keys, timedelta(seconds=plan.timeout))
+    except RuntimeError:  # rank 0 (and its store) gone, or a peer that never came
+        pass
 
 
 def _rank_main(start: _Start, writer: Connection) -> None:
