@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -111,3 +112,34 @@ class BackgroundCommand:
             )
         stdout, stderr = self.output()
         return subprocess.CompletedProcess(self.arguments, self.process.returncode, stdout, stderr)
+
+
+def workers_of(agent: int) -> dict[int, int]:
+    """The processes ``agent`` (a ``torchrun``) started: pid by ``LOCAL_RANK``."""
+    workers: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "stat").read_text()
+            environment = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:  # gone, or not ours
+            continue
+        parent = int(status.rsplit(")", 1)[1].split()[1])
+        if parent != agent:
+            continue
+        for variable in environment:
+            if variable.startswith(b"LOCAL_RANK="):
+                workers[int(variable.split(b"=", 1)[1])] = int(entry.name)
+    return workers
+
+
+def wait_for_directory(path: Path, command: BackgroundCommand, timeout: float) -> None:
+    """Return once ``path`` is a directory; fail the test, with the command's output, if
+    the command exits first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not path.is_dir():
+        if command.process.poll() is not None or time.monotonic() > deadline:
+            stdout, stderr = command.output()
+            pytest.fail(f"{path.name} never appeared:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+        time.sleep(0.05)

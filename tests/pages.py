@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import io
 import linecache
+import os
 import re
 import sys
 import types
 from pathlib import Path
 
 import torch.distributed as dist
+from commands import run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -56,3 +58,21 @@ def run_page(page: Path) -> str:
         if dist.is_initialized():
             dist.destroy_process_group()
     return out.getvalue()
+
+
+def run_shown_torchrun(page: Path, script: str, *, timeout: float) -> list[float]:
+    """Run the one ``torchrun`` command of ``page`` that names ``script``, as the page shows it
+    (from the repository's root); return the losses it printed. Fails the test if the page
+    shows no such command or several, or the command fails."""
+    shown = [block for block in code_blocks(page, "bash") if script in block]
+    assert len(shown) == 1, f"{page.name} shows {len(shown)} commands running {script}"
+    program, *arguments = shown[0].split()
+    assert program == "torchrun"
+    done = run_command(
+        [sys.executable, "-m", "torch.distributed.run", *arguments],
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [float(line.split()[-1]) for line in done.stdout.splitlines() if "loss" in line]

@@ -6,9 +6,8 @@ import warnings
 from collections.abc import Iterator
 
 import pytest
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, _mesh_resources, init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
+from fake_world import fake_mesh
+from torch.distributed.device_mesh import DeviceMesh, _mesh_resources
 
 from torchcontract.apis._compat import root_mesh
 
@@ -16,12 +15,8 @@ from torchcontract.apis._compat import root_mesh
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[DeviceMesh]:
     """A 2 x 2 mesh named (dp, tp) over the fake backend, this process being rank 0."""
-    assert not dist.is_initialized()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
-        yield init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    finally:
-        dist.destroy_process_group()
+    with fake_mesh((2, 2), ("dp", "tp")) as mesh:
+        yield mesh
 
 
 def test_the_root_of_a_slice_is_the_mesh_it_was_sliced_from(mesh: DeviceMesh) -> None:

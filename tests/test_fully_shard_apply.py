@@ -21,12 +21,12 @@ import attrs
 import pytest
 import torch
 import torch.distributed as dist
+from fake_world import fake_mesh
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import torchcontract
 from torchcontract import AlreadyManagedError, InvalidMeshError, contract, module_label
@@ -85,12 +85,8 @@ def on_meta(layers: int) -> Llama:
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[DeviceMesh]:
     """A 1-D mesh of 64 ranks over the fake backend, this process being rank 0."""
-    assert not dist.is_initialized()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    try:
-        yield init_device_mesh("cpu", (WORLD,))
-    finally:
-        dist.destroy_process_group()
+    with fake_mesh((WORLD,)) as mesh:
+        yield mesh
 
 
 def shard_each(model: Llama, mesh: DeviceMesh | None) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
+from fake_world import fake_mesh
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
@@ -28,7 +28,6 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp._fully_shard import _fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchcontract import ContractError, NotAppliedError, contract
 from torchcontract.apis import _compat, fully_shard
@@ -55,12 +54,8 @@ ACCELERATOR_ONLY: dict[str, Callable[[Any], object]] = {
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[DeviceMesh]:
-    assert not dist.is_initialized()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield init_device_mesh("cpu", (2,))
-    finally:
-        dist.destroy_process_group()
+    with fake_mesh((2,)) as mesh:
+        yield mesh
 
 
 class Net(nn.Module):

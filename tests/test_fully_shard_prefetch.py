@@ -10,12 +10,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch.distributed as dist
+from fake_world import fake_mesh
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchcontract import NotAppliedError
 from torchcontract.apis import fully_shard
@@ -32,12 +31,8 @@ WORLD = 64
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[DeviceMesh]:
     """A 1-D mesh of 64 ranks over the fake backend, this process being rank 0."""
-    assert not dist.is_initialized()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    try:
-        yield init_device_mesh("cpu", (WORLD,))
-    finally:
-        dist.destroy_process_group()
+    with fake_mesh((WORLD,)) as mesh:
+        yield mesh
 
 
 def _sharded(mesh: DeviceMesh) -> nn.Sequential:

@@ -14,12 +14,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
+from fake_world import fake_mesh
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchcontract import AlreadyManagedError, ContractError, InvalidMeshError
 from torchcontract.apis import _compat, fully_shard
@@ -37,12 +36,8 @@ needs_dp_mesh_dims = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[DeviceMesh]:
     """A (dp, tp) mesh of 4 x 1: room for an int ``reshard_after_forward`` between 1 and 4."""
-    assert not dist.is_initialized()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
-        yield init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "tp"))
-    finally:
-        dist.destroy_process_group()
+    with fake_mesh((4, 1), ("dp", "tp")) as mesh:
+        yield mesh
 
 
 def _column_parallel(mesh: DeviceMesh) -> nn.Sequential:

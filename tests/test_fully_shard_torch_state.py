@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.fsdp
+from fake_world import fake_mesh
 from torch import nn
 from torch.distributed._composable.contract import STATE_KEY
 from torch.distributed._composable_state import (
@@ -28,11 +28,10 @@ from torch.distributed._composable_state import (
     _module_state_mapping,
 )
 from torch.distributed._composable_state import _State as TorchState
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchcontract import IncompatibleAPIError, contract
 from torchcontract.apis import _compat, fully_shard
@@ -58,12 +57,8 @@ BOTH = [
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[DeviceMesh]:
-    assert not dist.is_initialized()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield init_device_mesh("cpu", (2,))
-    finally:
-        dist.destroy_process_group()
+    with fake_mesh((2,)) as mesh:
+        yield mesh
 
 
 class Net(nn.Module):

@@ -19,11 +19,11 @@ import attrs
 import pytest
 import torch
 import torch.distributed as dist
+from fake_world import fake_ranks
 from pages import DOCS
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchcontract.apis import fully_shard, replicate
 from torchcontract.testing import free_port
@@ -154,15 +154,6 @@ def _one_gloo_rank() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-@contextmanager
-def _fake_ranks() -> Iterator[None]:
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD_SIZE)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _expect(formula: Formula, sizes: Sizes, measured: int) -> None:
     expected = formula.bytes(sizes)
     assert expected <= measured <= expected + SLACK, (formula.text, expected, measured)
@@ -186,7 +177,7 @@ def test_replicate_holds_what_the_formula_says(view: bool) -> None:
 
 @pytest.mark.parametrize("shape", [(WORLD_SIZE,), (2, WORLD_SIZE // 2)], ids=["1-D", "HSDP"])
 def test_fully_shard_holds_what_the_formula_says(shape: tuple[int, ...]) -> None:
-    with _fake_ranks():
+    with fake_ranks(WORLD_SIZE):
         names = ("replicate", "shard") if len(shape) == 2 else None
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         measured = _at_rest(_sharded(mesh))
@@ -221,7 +212,7 @@ def _held_after_forward(mesh: DeviceMesh, reshard_after_forward: bool | int | No
 def test_reshard_after_forward_holds_what_the_formula_says(
     setting: bool | int | None, label: str
 ) -> None:
-    with _fake_ranks():
+    with fake_ranks(WORLD_SIZE):
         mesh = init_device_mesh("cpu", (WORLD_SIZE,))
         measured = _held_after_forward(mesh, setting)
     k = setting if isinstance(setting, int) and not isinstance(setting, bool) else 1

@@ -6,6 +6,7 @@ DistributedDataParallel's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Final
 
 import attrs
@@ -17,7 +18,17 @@ from torch._C._distributed_c10d import GradBucket
 #: A few KiB: the model's parameters fall into several buckets.
 CAP_MB: Final = 4200 / (1024 * 1024)
 
-__all__ = ["CAP_MB", "HookResult", "Net", "Recorder", "Seen", "recording_hook", "seeded_net"]
+__all__ = [
+    "CAP_MB",
+    "HookResult",
+    "Net",
+    "Recorder",
+    "Seen",
+    "all_reduce_mean",
+    "annotate_for_ddp",
+    "recording_hook",
+    "seeded_net",
+]
 
 
 class Net(nn.Module):
@@ -61,19 +72,29 @@ def recording_hook(state: Recorder, bucket: GradBucket) -> torch.futures.Future[
         )
     )
     bucket.set_buffer(bucket.buffer().clone())
-    buffer = bucket.buffer().div_(dist.get_world_size())
+    return all_reduce_mean(bucket.buffer())
+
+
+def all_reduce_mean(buffer: Tensor) -> torch.futures.Future[Tensor]:
+    """Divide ``buffer`` by the world size and all-reduce it in place, as DDP's default hook."""
+    buffer.div_(dist.get_world_size())
     work = dist.all_reduce(buffer, async_op=True)
     assert work is not None
     reduced: torch.futures.Future[list[Tensor]] = work.get_future()
     return reduced.then(lambda future: future.value()[0])
 
 
-# DDP compares annotations as written: give it objects, not this module's strings.
-recording_hook.__annotations__ = {
-    "state": Recorder,
-    "bucket": GradBucket,
-    "return": torch.futures.Future[Tensor],
-}
+def annotate_for_ddp(hook: Callable[..., object], state: type) -> None:
+    """Give ``hook`` its annotations as objects: DDP compares them as written, and a module
+    with postponed annotations has them as strings."""
+    hook.__annotations__ = {
+        "state": state,
+        "bucket": GradBucket,
+        "return": torch.futures.Future[Tensor],
+    }
+
+
+annotate_for_ddp(recording_hook, Recorder)
 
 
 def seeded_net() -> Net:

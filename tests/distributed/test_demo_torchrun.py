@@ -13,7 +13,6 @@ import os
 import re
 import signal
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Final
@@ -21,7 +20,7 @@ from typing import Final
 import attrs
 import pytest
 import torch
-from commands import BackgroundCommand, run_command
+from commands import BackgroundCommand, run_command, wait_for_directory, workers_of
 from pages import DOCS, code_blocks
 
 from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
@@ -162,35 +161,6 @@ def test_two_agents_as_two_nodes_end_with_the_same_lines(
     assert _final_lines(nodes[0].stdout + nodes[1].stdout) == uninterrupted.final_lines
 
 
-def _workers_of(agent: int) -> dict[int, int]:
-    """The demo's workers that ``agent`` started: pid by local rank."""
-    workers: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = (entry / "stat").read_text()
-            environment = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:  # gone, or not ours
-            continue
-        parent = int(status.rsplit(")", 1)[1].split()[1])
-        if parent != agent:
-            continue
-        for variable in environment:
-            if variable.startswith(b"LOCAL_RANK="):
-                workers[int(variable.split(b"=", 1)[1])] = int(entry.name)
-    return workers
-
-
-def _wait_for(path: Path, command: BackgroundCommand) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while not path.is_dir():
-        if command.process.poll() is not None or time.monotonic() > deadline:
-            stdout, stderr = command.output()
-            pytest.fail(f"{path.name} never appeared:\n{stdout[-3000:]}\n{stderr[-3000:]}")
-        time.sleep(0.05)
-
-
 def test_a_killed_worker_is_restarted_and_resumes_from_the_step_6_checkpoint(
     uninterrupted: Uninterrupted, tmp_path: Path
 ) -> None:
@@ -201,8 +171,8 @@ def test_a_killed_worker_is_restarted_and_resumes_from_the_step_6_checkpoint(
     ) as agent:
         # The first phase's step-6 checkpoint: the workers wait after it, on this attempt.
         phase = "hsdp" if uninterrupted.phase == "hsdp" else "replicate"
-        _wait_for(checkpoints / phase / "step-000006", agent)
-        os.kill(_workers_of(agent.process.pid)[1], signal.SIGKILL)
+        wait_for_directory(checkpoints / phase / "step-000006", agent, TIMEOUT)
+        os.kill(workers_of(agent.process.pid)[1], signal.SIGKILL)
         done = agent.wait(TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"{phase}: resuming from {checkpoints / phase / 'step-000006'}" in done.stdout
@@ -215,8 +185,8 @@ def test_a_restart_in_the_agents_shared_store_is_refused_with_what_to_do(tmp_pat
     with BackgroundCommand(
         command.arguments, output=tmp_path / "agent", env=command.environment
     ) as agent:
-        _wait_for(checkpoints / "hsdp" / "step-000006", agent)
-        os.kill(_workers_of(agent.process.pid)[1], signal.SIGKILL)
+        wait_for_directory(checkpoints / "hsdp" / "step-000006", agent, TIMEOUT)
+        os.kill(workers_of(agent.process.pid)[1], signal.SIGKILL)
         done = agent.wait(TIMEOUT)
     assert done.returncode != 0
     assert "torchrun restarted the workers in the store its agents share" in done.stderr

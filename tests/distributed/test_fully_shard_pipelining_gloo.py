@@ -13,8 +13,6 @@ pipelined model through DCP. One launch for all of it: 4 ranks share the cores.
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,9 +20,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from commands import run_command
 from fully_shard_models import needs_reference_fully_shard
-from pages import DOCS, ROOT, code_blocks
+from pages import DOCS, run_shown_torchrun
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -349,21 +346,8 @@ def test_schedules_train_stages_with_tensor_parallelism_as_torch_fully_shard() -
 @pytest.mark.slow
 def test_the_pages_torchrun_example_trains() -> None:
     """The command docs/fully-shard.md shows, as it shows it: 4 processes, losses going down."""
-    shown = [
-        block
-        for block in code_blocks(DOCS / "fully-shard.md", "bash")
-        if "examples/pipeline_parallel.py" in block
-    ]
-    assert len(shown) == 1
-    program, *arguments = shown[0].split()
-    assert program == "torchrun"
-    done = run_command(
-        [sys.executable, "-m", "torch.distributed.run", *arguments],
-        timeout=240.0,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    losses = run_shown_torchrun(
+        DOCS / "fully-shard.md", "examples/pipeline_parallel.py", timeout=240.0
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    losses = [float(line.split()[-1]) for line in done.stdout.splitlines() if "loss" in line]
     assert len(losses) == 3
     assert losses[-1] < losses[0]

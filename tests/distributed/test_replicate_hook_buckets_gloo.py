@@ -23,7 +23,7 @@ from typing import Any, Final
 import attrs
 import pytest
 import torch
-import torch.distributed as dist
+from replicate_hook_recorder import all_reduce_mean, annotate_for_ddp
 from torch import Tensor, nn
 from torch._C._distributed_c10d import GradBucket
 from torch.nn.parallel import DistributedDataParallel
@@ -56,19 +56,10 @@ class Recorder:
 def recording_hook(state: Recorder, bucket: GradBucket) -> torch.futures.Future[Tensor]:
     """Record the bucket, then average it as DDP's default hook does."""
     state.record(bucket)
-    buffer = bucket.buffer().div_(dist.get_world_size())
-    work = dist.all_reduce(buffer, async_op=True)
-    assert work is not None
-    reduced: torch.futures.Future[list[Tensor]] = work.get_future()
-    return reduced.then(lambda future: future.value()[0])
+    return all_reduce_mean(bucket.buffer())
 
 
-# DDP compares annotations as written: give it objects, not this module's strings.
-recording_hook.__annotations__ = {
-    "state": Recorder,
-    "bucket": GradBucket,
-    "return": torch.futures.Future[Tensor],
-}
+annotate_for_ddp(recording_hook, Recorder)
 
 
 class Net(nn.Module):

@@ -12,12 +12,11 @@ import os
 import re
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Final
 
 import pytest
-from commands import BackgroundCommand, run_command
+from commands import BackgroundCommand, run_command, wait_for_directory, workers_of
 from pages import DOCS, code_blocks
 
 pytestmark = pytest.mark.slow
@@ -63,30 +62,6 @@ def _check_value(output: str) -> str:
     return line
 
 
-def _workers_of(agent: int) -> list[int]:
-    """The pids of the workers ``agent`` started (in sessions of their own)."""
-    workers = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = (entry / "stat").read_text()
-        except OSError:  # gone already
-            continue
-        if int(status.rsplit(")", 1)[1].split()[1]) == agent:
-            workers.append(int(entry.name))
-    return workers
-
-
-def _wait_for(path: Path, command: BackgroundCommand) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while not path.is_dir():
-        if command.process.poll() is not None or time.monotonic() > deadline:
-            stdout, stderr = command.output()
-            pytest.fail(f"{path.name} never appeared:\n{stdout[-3000:]}\n{stderr[-3000:]}")
-        time.sleep(0.02)
-
-
 @pytest.mark.parametrize("api", ["fully_shard", "replicate"])
 def test_a_killed_run_resumes_and_ends_as_the_uninterrupted_one(api: str, tmp_path: Path) -> None:
     arguments, _ = _command(tmp_path / "uninterrupted", api)
@@ -97,8 +72,8 @@ def test_a_killed_run_resumes_and_ends_as_the_uninterrupted_one(api: str, tmp_pa
 
     arguments, checkpoints = _command(tmp_path / "killed", api)
     with BackgroundCommand(arguments, output=tmp_path / "killed", env=ENVIRONMENT) as killed:
-        _wait_for(checkpoints / "step-000010", killed)
-        workers = _workers_of(killed.process.pid)
+        wait_for_directory(checkpoints / "step-000010", killed, TIMEOUT)
+        workers = list(workers_of(killed.process.pid).values())
         assert len(workers) == 2
         for worker in workers:  # every worker at once, as when the job's machine goes down
             os.kill(worker, signal.SIGKILL)
