@@ -54,6 +54,16 @@ def test_with_a_start_time_the_sentence_gives_the_whole_command_and_its_pytest_p
     assert sentence.endswith(" minutes in all, 2.0 of them in pytest.")
 
 
+def test_a_fresh_clones_sentence_says_its_time_includes_creating_the_venv(tmp_path: Path) -> None:
+    report = tmp_path / "report.xml"
+    report.write_text('<testsuite tests="1" failures="0" errors="0" skipped="0" time="60.0"/>')
+    sentence: str = _load().summary(report, time.time() - 300, fresh=True)
+    assert sentence.endswith(
+        " minutes in all (on a fresh clone: creating .venv and installing included), "
+        "1.0 of them in pytest."
+    )
+
+
 def test_the_readme_region_between_its_markers_is_replaced_and_nothing_else() -> None:
     module = _load()
     start, end = module.README_START, module.README_END

@@ -9,7 +9,9 @@ and were skipped, and how long the run took. The documentation includes the file
 (pymdownx.snippets), so no count there is written by hand. With ``--started`` (the
 Unix time a command began, as ``date +%s`` prints it) the sentence also gives the
 whole command's time, and for ``test`` the README's own copy of the sentence, between
-its markers, is replaced too (the README is read where nothing includes files).
+its markers, is replaced too (the README is read where nothing includes files). With
+``--fresh`` too, the command began by creating ``.venv`` and installing into it (a fresh
+clone), and the sentence says its time includes that.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ README_START: str = "<!-- make test's last run: written by tools/record_run.py -
 README_END: str = "<!-- end of make test's last run -->"
 
 
-def summary(report: Path, started: float | None = None) -> str:
-    """The sentence for the run in ``report``; ``started``: when the whole command began."""
+def summary(report: Path, started: float | None = None, *, fresh: bool = False) -> str:
+    """The sentence for the run in ``report``; ``started``: when the whole command began;
+    ``fresh``: it began by creating the venv."""
     suite = ElementTree.parse(report).getroot()
     if suite.tag == "testsuites":
         suite = suite[0]
@@ -44,8 +47,9 @@ def summary(report: Path, started: float | None = None) -> str:
     took = f"in {pytest_minutes:.1f} minutes"
     if started is not None:
         took = (
-            f"in {(time.time() - started) / 60:.1f} minutes in all, "
-            f"{pytest_minutes:.1f} of them in pytest"
+            f"in {(time.time() - started) / 60:.1f} minutes in all"
+            + (" (on a fresh clone: creating .venv and installing included)" if fresh else "")
+            + f", {pytest_minutes:.1f} of them in pytest"
         )
     return (
         f"Written by the last run on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, torch "
@@ -65,10 +69,11 @@ def replace_region(text: str, sentence: str) -> str:
 
 
 def main(argv: list[str]) -> None:
-    """``argv``: the name of the file to write, the JUnit XML report, optionally ``--started T``."""
+    """``argv``: the name of the file to write, the JUnit XML report, optionally
+    ``--started T``, then optionally ``--fresh``."""
     name, report, *rest = argv
     started = float(rest[1]) if rest[:1] == ["--started"] else None
-    sentence = summary(Path(report), started)
+    sentence = summary(Path(report), started, fresh=rest[2:] == ["--fresh"])
     GENERATED.mkdir(exist_ok=True)
     (GENERATED / f"{name}.md").write_text(sentence + "\n")
     if name == "test" and README.is_file():
