@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from torchcontract import ContractError
+from torchcontract import ContractError, NoProcessGroupError
 from torchcontract.apis import ModelMismatchError
 
 __all__ = [
@@ -113,7 +113,7 @@ DIFFERENCES: Final = (
         "Starting the process group is the program's choice. Call "
         "`torch.distributed.init_process_group()` first, or pass `mesh=`.",
         "probe:no_process_group",
-        ContractError,
+        NoProcessGroupError,
     ),
     Difference(
         "fully_shard",

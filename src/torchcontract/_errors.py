@@ -20,6 +20,7 @@ __all__ = [
     "InvalidShardDimError",
     "InvalidStateClassError",
     "InvalidTargetError",
+    "NoProcessGroupError",
     "NotAppliedError",
     "ReplacedParameterError",
     "RulePredicateError",
@@ -63,6 +64,13 @@ class InvalidMeshError(ContractError, ValueError):
 
 class UnnamedMeshError(InvalidMeshError, AssertionError):
     """A 2-D (HSDP) mesh has no dim names; an ``AssertionError`` too, as FSDP2 raises."""
+
+
+class NoProcessGroupError(ContractError, ValueError):
+    """An API that communicates was given no group or mesh, and no default process group is up.
+
+    A ``ValueError`` too, as ``DistributedDataParallel`` raises.
+    """
 
 
 class ScalarParameterError(ContractError, ValueError):

@@ -47,6 +47,7 @@ from torchcontract import (
     ContractError,
     IncompatibleAPIError,
     InvalidMeshError,
+    NoProcessGroupError,
     NotAppliedError,
     contract,
 )
@@ -836,7 +837,7 @@ def test_fully_shard_without_a_process_group_fails_and_changes_nothing() -> None
     assert not dist.is_initialized()
     model = gpt()
     before = list(model.parameters())
-    with pytest.raises(ContractError, match=r"fully_shard on GPT: no default process group"):
+    with pytest.raises(NoProcessGroupError, match=r"fully_shard on GPT: no default process group"):
         fully_shard(model)
     assert not fully_shard.is_applied(model)
     assert all(a is b for a, b in zip(model.parameters(), before, strict=True))

@@ -18,7 +18,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from torchcontract import ContractError, IncompatibleAPIError, NotAppliedError, contract
+from torchcontract import (
+    ContractError,
+    IncompatibleAPIError,
+    NoProcessGroupError,
+    NotAppliedError,
+    contract,
+)
 from torchcontract.apis import checkpoint, no_sync, rank_local, replicate
 from torchcontract.testing import ModelCase, check_api_invariants, run_distributed
 
@@ -374,7 +380,9 @@ def test_replicate_passes_the_invariant_checks(ranks: list[Results]) -> None:
 def test_replicate_without_a_process_group_fails_and_installs_nothing() -> None:
     assert not dist.is_initialized()
     model = _net()
-    with pytest.raises(ContractError, match=r"no default process group; call torch\.distributed"):
+    with pytest.raises(
+        NoProcessGroupError, match=r"no default process group; call torch\.distributed"
+    ):
         replicate(model)
     assert not replicate.is_applied(model)
 

@@ -22,7 +22,7 @@ from torch import nn
 from torch._C._distributed_c10d import HashStore, PrefixStore, Store
 from torch.nn.parallel import DistributedDataParallel
 
-from torchcontract import ContractError
+from torchcontract import NoProcessGroupError
 from torchcontract.apis import ModelMismatchError, replicate
 from torchcontract.testing import run_distributed
 
@@ -122,11 +122,11 @@ def test_replicate_takes_a_group_of_one_without_a_default_group() -> None:
 
 
 def test_replicate_without_a_group_still_needs_a_default_group() -> None:
-    """As DDP, which raises when there is no default group and no process_group."""
+    """As DDP, which raises a ValueError when there is no default group and no process_group."""
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match=r"Default process group has not been initialized"):
         DistributedDataParallel(_model(seed=0))
     model = _model(seed=0)
-    with pytest.raises(ContractError, match=r"on Sequential: no default process group"):
+    with pytest.raises(NoProcessGroupError, match=r"on Sequential: no default process group"):
         replicate(model)
     assert not replicate.is_applied(model)

@@ -20,7 +20,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 import torchcontract
-from torchcontract import ContractError, InvalidMeshError, UnnamedMeshError, module_label
+from torchcontract import (
+    InvalidMeshError,
+    NoProcessGroupError,
+    UnnamedMeshError,
+    module_label,
+)
 
 from .. import _torch
 
@@ -43,7 +48,7 @@ def default_mesh(target: nn.Module) -> DeviceMesh:
     mesh and fail at its first backward after ``to_empty``.
     """
     if not dist.is_initialized():
-        raise ContractError(
+        raise NoProcessGroupError(
             f"fully_shard on {module_label(target)}: no default process group and no mesh; call "
             "torch.distributed.init_process_group() first, or pass mesh="
         )

@@ -18,6 +18,7 @@ from torchcontract import (
     ContractError,
     Incompatible,
     InvalidTargetError,
+    NoProcessGroupError,
     RegistryEntry,
     contract,
     exported_from,
@@ -87,7 +88,7 @@ def _group(module: nn.Module, process_group: object) -> dist.ProcessGroup:
     """The group to average over: ``process_group``, checked, or the default group."""
     if process_group is None:
         if not dist.is_initialized():
-            raise ContractError(
+            raise NoProcessGroupError(
                 f"replicate on {module_label(module)}: no default process group; call "
                 "torch.distributed.init_process_group() first, or pass process_group="
             )
