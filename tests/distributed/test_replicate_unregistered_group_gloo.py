@@ -31,12 +31,21 @@ TIMEOUT: Final = 120.0
 Results = dict[str, Any]
 
 
+#: Every group built here, alive until the process ends. torch 2.6's ProcessGroupGloo joins
+#: its worker threads in its destructor with the GIL held, while a worker that is still
+#: dropping the last reference to a collective's tensor waits for the GIL: a group freed
+#: right after a collective (at the end of a rank's job) deadlocks there, about one run in
+#: ten. By the time the process ends, its workers hold nothing.
+_KEPT: Final[list[dist.ProcessGroup]] = []
+
+
 def unregistered_gloo_group(store: Store, rank: int, size: int) -> dist.ProcessGroup:
     """A gloo group built as torchft builds its own: from a store, never registered."""
     group = dist.ProcessGroup(store, rank, size)
     group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     backend = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=TIMEOUT))
     group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    _KEPT.append(group)
     return group
 
 
