@@ -55,6 +55,9 @@ def main() -> None:
                 print(f"step {step}: loss {torch.stack(losses).mean().item():.4f}")
         optimizer.step()
         optimizer.zero_grad()
+    # Every rank done with every group before any is taken down: torch 2.6's gloo can hang
+    # destroying a group whose threads still hold the last collective's tensors.
+    dist.barrier()
     dist.destroy_process_group()
 
 

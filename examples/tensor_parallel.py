@@ -66,6 +66,9 @@ def main() -> None:
         optimizer.zero_grad()
         if dist.get_rank() == 0:
             print(f"step {step}: loss {loss.item():.4f}")
+    # Every rank done with every group before any is taken down: torch 2.6's gloo can hang
+    # destroying a group whose threads still hold the last collective's tensors.
+    dist.barrier()
     dist.destroy_process_group()
 
 
