@@ -8,7 +8,7 @@ PYTHON ?= python3
 	fuzz mutate mutate-apis clean
 
 # `make help`: every target with its one line, the text after `##` on the target's line
-# (tests/test_commands.py checks that every target has one).
+# (tests/test_makefile.py checks that every target has one).
 help:  ## list the targets
 	@awk -F':.*## ' '/^[a-z][a-z-]*:.*## / { printf "  make %-12s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
 
