@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -172,6 +173,20 @@ def test_hung_ranks_are_killed_at_the_timeout(tmp_path: Path) -> None:
 def test_rank_that_exits_without_reporting_raises_rank_failed_error() -> None:
     with pytest.raises(RankFailedError, match="rank 1 of 2 exited with code 3"):
         run_distributed(_exit_without_reporting, 2)
+
+
+def _abort_on_rank_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os.abort()  # SIGABRT, as a native library's "double free" detected by glibc
+
+
+def test_a_rank_killed_by_a_fatal_signal_shows_where_it_was() -> None:
+    with pytest.raises(RankFailedError) as caught:
+        run_distributed(_abort_on_rank_one, 2)
+    message = str(caught.value)
+    assert f"rank 1 of 2 exited with code -{signal.SIGABRT.value} without reporting" in message
+    assert "Fatal Python error: Aborted" in message
+    assert "in _abort_on_rank_one" in message
 
 
 def test_a_rank_exiting_is_raised_over_a_peers_connection_error_that_came_first(

@@ -146,7 +146,7 @@ def collect(
                 secondary, raised_at = payload.secondary, payload.raised_at
             else:  # it died without reporting: a cause, never a consequence
                 secondary, raised_at = False, time.time()
-            error = _error_of(rank, world_size, processes[rank], payload)
+            error = _error_of(rank, world_size, processes[rank], payload, stacks)
             failures.append((secondary, raised_at, rank, error))
             wait_more = max(CAUSE_GRACE_SECONDS, grace) if secondary else grace
             deadline = min(deadline, time.monotonic() + wait_more)
@@ -158,13 +158,20 @@ def collect(
     return results
 
 
-def _error_of(rank: int, world_size: int, process: BaseProcess, payload: object) -> BaseException:
-    """The exception to raise for a rank that reported ``payload`` (None: it reported nothing)."""
+def _error_of(
+    rank: int, world_size: int, process: BaseProcess, payload: object, stacks: str
+) -> BaseException:
+    """The exception to raise for a rank that reported ``payload`` (None: it reported nothing).
+
+    A rank that died of a fatal signal left its stacks in its stack file
+    (``faulthandler``): they end the message, as a hung rank's do.
+    """
     if not isinstance(payload, Failure):
         process.join(5.0)  # it is gone (its pipe closed or its sentinel fired): reap it
+        stack = _written_stack(stacks, rank)
         return RankFailedError(
             f"run_distributed: rank {rank} of {world_size} exited with code {process.exitcode} "
-            "without reporting a result"
+            "without reporting a result" + (f"; it was at:\n{stack}" if stack else "")
         )
     remote = RankFailedError(f"rank {rank} of {world_size} raised:\n{payload.text}")
     if payload.pickled is None:
@@ -193,6 +200,15 @@ def stack_path(stacks: str, rank: int) -> str:
     return os.path.join(stacks, f"rank-{rank}.txt")
 
 
+def _written_stack(stacks: str, rank: int) -> str:
+    """The first lines rank ``rank`` wrote to its stack file ("" if none)."""
+    try:
+        with open(stack_path(stacks, rank)) as file:
+            return "\n".join(file.read().splitlines()[:_STACK_LINES])
+    except OSError:
+        return ""
+
+
 def _stacks_of(ranks: list[int], processes: list[BaseProcess], stacks: str) -> str:
     """Ask each of ``ranks`` for its threads' stacks; the text to append to the error."""
     if DUMP_SIGNAL is None:
@@ -205,11 +221,6 @@ def _stacks_of(ranks: list[int], processes: list[BaseProcess], stacks: str) -> s
     time.sleep(GRACE_SECONDS)  # faulthandler writes from its signal handler, at once
     parts: list[str] = []
     for rank in ranks:
-        try:
-            with open(stack_path(stacks, rank)) as file:
-                lines = file.read().splitlines()
-        except OSError:
-            lines = []
-        shown = "\n".join(lines[:_STACK_LINES]) or "(no stack: the rank did not answer)"
+        shown = _written_stack(stacks, rank) or "(no stack: the rank did not answer)"
         parts.append(f"\nrank {rank} was at:\n{shown}")
     return "".join(parts)

@@ -200,6 +200,9 @@ def _rank_main(job: _Job, rank: int, writer: Connection) -> None:
         # Where a hung rank is, for the TimeoutError: every thread's stack, on request.
         stack_file = open(stack_path(job.stacks, rank), "w")  # noqa: SIM115 (lives as the rank)
         faulthandler.register(DUMP_SIGNAL, file=stack_file, all_threads=True)
+        # And where a rank that dies of a fatal signal (SIGSEGV, SIGABRT from a native
+        # library) was: its stacks, which run_distributed adds to RankFailedError.
+        faulthandler.enable(file=stack_file, all_threads=True)
     try:
         try:
             writer.send((rank, *_run_rank(job, rank)))
