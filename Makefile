@@ -82,7 +82,7 @@ dist: $(BIN)/.installed  ## sdist and wheel into dist/, checked by twine check -
 	$(BIN)/twine check --strict dist/*
 
 # The tests against several torch releases, each in its own cached venv outside the repo.
-compat:  ## the test suite against several torch releases; writes docs/generated/compat.md
+compat:  ## the test suite against several torch releases; writes docs/generated/compat/
 	bash tools/compat.sh
 
 # Before a release, not in CI: the property and stateful tests with random seeds, ten

@@ -2,24 +2,20 @@
 
 Every Python block of a page runs (the page's blocks in order, as one script); every
 ``text`` block of a page shows what its code prints. Every public name has an entry
-in the API reference; every test the guarantees table names exists; the site builds
-with ``mkdocs build --strict`` and asks the network for nothing.
+in the API reference; every test the guarantees table names exists. The built site
+is ``tests/test_site.py``'s.
 """
 
 from __future__ import annotations
 
-import html
 import importlib
 import importlib.util
-import os
 import re
-import sys
 import tomllib
 import types
 from pathlib import Path
 
 import pytest
-from commands import run_command
 from pages import DOCS, ROOT, code_blocks, pages, run_page
 
 import torchcontract
@@ -218,67 +214,3 @@ def test_every_test_the_guarantees_table_names_exists() -> None:
     missing = sorted(name for name in named if f"def {name}(" not in sources)
     assert not missing
     assert not [name for name in files if not (ROOT / "tests" / name).is_file()]
-
-
-def test_site_builds_strictly_and_fetches_nothing(tmp_path: Path) -> None:
-    site = tmp_path / "site"
-    done = run_command(
-        (sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)),
-        timeout=240,
-        cwd=ROOT,
-        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "WARNING" not in done.stderr
-    # What a browser fetches on its own (links a reader may follow are fine): scripts,
-    # style sheets, fonts, images, frames, and what CSS imports.
-    remote = re.compile(
-        r"""<(?:link|script|img|iframe|source)\b[^>]*\b(?:src|href)=["'](?:https?:)?//"""
-        r"""|@import\s+(?:url\()?["']?(?:https?:)?//|url\(["']?(?:https?:)?//"""
-    )
-    fetched = [
-        str(path.relative_to(site))
-        for path in site.rglob("*")
-        if path.suffix in {".html", ".css"} and remote.search(path.read_text())
-    ]
-    assert not fetched, f"pages that load something from the network: {fetched}"
-    _check_the_reference_names_nothing_private(site)
-    _check_links_work_from_the_disk(site)
-
-
-def _text_of(page: Path) -> str:
-    """The visible text of a page's article (not the navigation), tags and entities undone."""
-    document = page.read_text()
-    article = document[document.index("<article") : document.index("</article>")]
-    return re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", "", article)))
-
-
-def _check_the_reference_names_nothing_private(site: Path) -> None:
-    """No ``_Name`` in the API reference: no private type variable, sentinel or helper."""
-    found = {
-        page.name: sorted(set(re.findall(r"(?<![\w.])_[A-Za-z]\w*", _text_of(page))))
-        for page in sorted((site / "reference").glob("*.html"))
-    }
-    assert set(found) == {"torchcontract.html", "apis.html", "testing.html"}
-    assert {name: names for name, names in found.items() if names} == {}
-    reference = _text_of(site / "reference" / "apis.html")
-    assert "mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()" in reference
-    assert "-> Module | list[Module]" in reference  # fully_shard returns what it was given
-    links = (site / "reference" / "torchcontract.html").read_text()
-    for target in (
-        "https://docs.python.org/3/library/typing.html#typing.Any",
-        "https://docs.pytorch.org/docs/stable/generated/torch.nn.Module.html#torch.nn.Module",
-        "https://www.attrs.org/en/stable/api.html#attrs.evolve",
-    ):
-        assert f'href="{target}"' in links
-
-
-def _check_links_work_from_the_disk(site: Path) -> None:
-    """Every link between pages names an .html file that exists (site/ opened via file://)."""
-    for page in site.rglob("*.html"):
-        if page.name == "404.html":  # a server's page for any path: its links are absolute
-            continue
-        for link in re.findall(r'<a [^>]*href="([^"#:]*)(?:#[^"]*)?"', page.read_text()):
-            if link and not link.endswith((".css", ".js", ".png", ".xml", ".gz", ".inv")):
-                assert link.endswith(".html"), f"{page.relative_to(site)} links to {link}"
-                assert (page.parent / link).resolve().is_file(), f"{page.name}: {link}"
