@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import re
 import tomllib
 import types
 from pathlib import Path
 
 import pytest
-from pages import DOCS, ROOT, code_blocks, pages, run_page
+from pages import DOCS, README, ROOT, code_blocks, pages, run_page
 
 import torchcontract
 import torchcontract.apis
@@ -214,3 +215,37 @@ def test_every_test_the_guarantees_table_names_exists() -> None:
     missing = sorted(name for name in named if f"def {name}(" not in sources)
     assert not missing
     assert not [name for name in files if not (ROOT / "tests" / name).is_file()]
+
+
+def test_the_signature_the_replicate_page_shows_is_replicates() -> None:
+    page = (DOCS / "replicate.md").read_text()
+    (shown,) = re.findall(r"^replicate\(module, \*,.*?\)$", page, flags=re.M | re.S)
+    keywords = dict(re.findall(r"(\w+)=([^,\s)]+)", shown))
+    parameters = inspect.signature(torchcontract.apis.replicate).parameters
+    assert keywords == {
+        name: repr(parameter.default) for name, parameter in parameters.items() if name != "module"
+    }
+
+
+#: The README's rows that cite a TODO in torch's contract, with the TODO's words.
+TORCH_TODOS = {"incompatible APIs": "verify that installed distributed paradigms are compatible"}
+
+
+def test_the_readme_cites_only_todos_torchs_contract_still_has() -> None:
+    import torch.distributed._composable.contract as torch_contract
+
+    rows = [line for line in README.read_text().splitlines() if "TODO in the source" in line]
+    assert sorted(row.split("|")[1].strip() for row in rows) == sorted(TORCH_TODOS)
+    source = inspect.getsource(torch_contract)
+    assert [words for words in TORCH_TODOS.values() if words not in source] == []
+
+
+def test_a_page_offering_cpu_offload_says_a_gpu_mesh_refuses_it() -> None:
+    # Each paragraph, list item or table row that names it says it is refused there.
+    silent = {
+        str(page.relative_to(ROOT)): part.strip()[:80]
+        for page in pages()
+        for part in re.split(r"\n\s*\n|\n\s*- |\n\|", page.read_text())
+        if "CPUOffloadPolicy" in part and not re.search(r"refus|NotImplementedError", part)
+    }
+    assert silent == {}
