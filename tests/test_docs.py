@@ -153,9 +153,16 @@ def test_the_pages_include_the_generated_figures() -> None:
     assert '--8<-- "docs/generated/slow.md"' in (DOCS / "development.md").read_text()
 
 
-def test_troubleshooting_explains_every_exception_the_library_raises() -> None:
-    page = (DOCS / "troubleshooting.md").read_text()
-    headings = set(re.findall(r"^## (\w+)$", page, flags=re.M))
+#: The two pages that explain the exceptions: users' (with the symptoms) and API authors'.
+ERROR_PAGES = ("troubleshooting.md", "api-errors.md")
+
+
+def test_the_error_pages_explain_every_exception_the_library_raises_once() -> None:
+    headings = [
+        heading
+        for name in ERROR_PAGES
+        for heading in re.findall(r"^## (\w+)$", (DOCS / name).read_text(), flags=re.M)
+    ]
     exceptions = {
         name
         for module in PUBLIC_MODULES
@@ -164,8 +171,19 @@ def test_troubleshooting_explains_every_exception_the_library_raises() -> None:
         and issubclass(getattr(module, name), BaseException)
     }
     assert len(exceptions) >= 18
-    assert sorted(exceptions - headings) == []
-    assert sorted(headings - exceptions) == []
+    assert sorted(headings) == sorted(exceptions)
+
+
+def test_the_users_troubleshooting_explains_the_errors_of_fully_shard_and_replicate() -> None:
+    page = (DOCS / "troubleshooting.md").read_text()
+    for name in ("NoProcessGroupError", "AlreadyManagedError", "UnusedParameterError"):
+        assert f"## {name}\n" in page
+    assert "## AlreadyAppliedError" not in page  # an API author's
+
+
+@pytest.mark.parametrize("name", [*ERROR_PAGES, "running-on-gpus.md"])
+def test_a_guide_reads_in_one_sitting(name: str) -> None:
+    assert len((DOCS / name).read_text().split()) < 2_000
 
 
 def _reference_entries() -> dict[str, object]:
@@ -249,3 +267,42 @@ def test_a_page_offering_cpu_offload_says_a_gpu_mesh_refuses_it() -> None:
         if "CPUOffloadPolicy" in part and not re.search(r"refus|NotImplementedError", part)
     }
     assert silent == {}
+
+
+def test_the_performance_page_writes_no_time_of_its_own() -> None:
+    # Every time there comes from `make bench`: a figure measured by hand goes stale.
+    assert TIME.findall(_handwritten(DOCS / "performance.md")) == []
+
+
+#: The pages that give evidence: test names and file names belong there, not in guides.
+EVIDENCE = {
+    "docs/verification.md",
+    "docs/performance.md",
+    "docs/development.md",
+    "docs/supported-versions.md",
+}
+
+
+def test_no_guide_names_a_test_of_the_project() -> None:
+    sources = {path.relative_to(ROOT / "tests"): path.read_text() for path in _test_files()}
+    names = {name for text in sources.values() for name in re.findall(r"def (test_\w+)", text)}
+    named = {
+        str(page.relative_to(ROOT)): found
+        for page in pages()
+        if str(page.relative_to(ROOT)) not in EVIDENCE
+        and (
+            found := sorted(
+                {word for word in re.findall(r"\btest_\w+", page.read_text()) if word in names}
+                | {
+                    word
+                    for word in re.findall(r"[\w/]*test_\w+\.py", page.read_text())
+                    if any(str(path).endswith(word.removeprefix("tests/")) for path in sources)
+                }
+            )
+        )
+    }
+    assert named == {}
+
+
+def _test_files() -> list[Path]:
+    return sorted((ROOT / "tests").rglob("*.py"))

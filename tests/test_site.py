@@ -147,7 +147,7 @@ def test_the_supported_versions_table_has_a_row_per_release_run(site: Path) -> N
 def test_search_has_an_index_of_every_page(site: Path) -> None:
     # mkdocs serve gives the search its index; a page opened from the disk cannot fetch it.
     index = (site / "search" / "search_index.json").read_text()
-    for page in ("getting-started.html", "troubleshooting.html"):
+    for page in ("getting-started.html", "running-on-gpus.html", "troubleshooting.html"):
         assert f'"location":"{page}' in index.replace(" ", "")
 
 
