@@ -187,3 +187,8 @@ def test_links_between_pages_work_from_the_disk(site: Path) -> None:
             if link and not link.endswith((".css", ".js", ".png", ".xml", ".gz", ".inv", ".txt")):
                 assert link.endswith(".html"), f"{page.relative_to(site)} links to {link}"
                 assert (page.parent / link).resolve().is_file(), f"{page.name}: {link}"
+
+
+def test_every_include_was_resolved(site: Path) -> None:
+    left = [str(page.relative_to(site)) for page in _pages(site) if "--8&lt;--" in page.read_text()]
+    assert left == []
