@@ -6,6 +6,8 @@ gloo rank beside ``DistributedDataParallel``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from hypothesis import given
@@ -110,7 +112,8 @@ def _ddp_sizes(find_unused_parameters: bool) -> list[int]:
     ddp = DistributedDataParallel(
         _six_layers(), bucket_cap_mb=CAP_MB, find_unused_parameters=find_unused_parameters
     )
-    logged = ddp._get_ddp_logging_data()["bucket_sizes"]
+    logging_data: Callable[[], dict[str, object]] = ddp._get_ddp_logging_data
+    logged = logging_data()["bucket_sizes"]
     assert isinstance(logged, str)
     return [int(size) for size in logged.split(", ")]
 

@@ -10,8 +10,9 @@ import collections
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import state_dict_saver
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from torchcontract.apis import replicate
@@ -27,14 +28,14 @@ def _save(rank: int, world: int, directory: str) -> None:
     model(torch.randn(2, 16)).sum().backward()
     optimizer.step()
     weights, state = get_state_dict(model, optimizer)
-    dcp.save({"model": weights, "optim": state}, checkpoint_id=directory)
+    state_dict_saver.save({"model": weights, "optim": state}, checkpoint_id=directory)
 
 
 def test_each_tensor_of_a_replicated_model_is_written_once_and_every_rank_writes(
     tmp_path: Path,
 ) -> None:
     run_distributed(_save, WORLD, args=(str(tmp_path),), timeout=120)
-    stored = dcp.FileSystemReader(str(tmp_path)).read_metadata().storage_data
+    stored = FileSystemReader(str(tmp_path)).read_metadata().storage_data
     files_of = collections.defaultdict(set)
     for index, info in stored.items():
         files_of[index.fqn].add(info.relative_path)
