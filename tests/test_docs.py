@@ -306,3 +306,19 @@ def test_no_guide_names_a_test_of_the_project() -> None:
 
 def _test_files() -> list[Path]:
     return sorted((ROOT / "tests").rglob("*.py"))
+
+
+def test_what_was_shown_on_gpus_is_written_in_one_place() -> None:
+    # docs/generated/gpu-status.md: pages include it or link to it, never copy its figures.
+    status = (DOCS / "generated" / "gpu-status.md").read_text()
+    figures = set(re.findall(r"\b\d+\.\d+\b", status))
+    assert figures
+    copied = {
+        str(page.relative_to(ROOT)): sorted(figures & set(re.findall(r"\b\d+\.\d+\b", text)))
+        for page in pages()
+        if figures & set(re.findall(r"\b\d+\.\d+\b", text := page.read_text()))
+    }
+    assert copied == {}
+    include = '--8<-- "docs/generated/gpu-status.md"'
+    including = [page.name for page in pages() if include in page.read_text()]
+    assert including == ["running-on-gpus.md"]
