@@ -42,7 +42,8 @@ typecheck: $(BIN)/.installed  ## mypy --strict and basedpyright strict
 docs: $(BIN)/.installed  ## the documentation site into site/, mkdocs build --strict
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-# The site served with live reload; site/index.html also opens straight from the disk.
+# The site served with live reload, search included; site/index.html also opens straight from
+# the disk, every page and link but search (a browser lets no file:// page read its index).
 docs-serve: $(BIN)/.installed  ## serve the documentation site on http://127.0.0.1:8000
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict
 
@@ -62,11 +63,12 @@ test-slow: $(BIN)/.installed  ## the slow tests: torchrun, torchft under HSDP, 8
 	$(PYTEST_XDIST) -m 'slow and not gpu' --junitxml=.slow.xml; \
 		status=$$?; $(BIN)/python tools/record_run.py slow .slow.xml; exit $$status
 
-# On a machine with CUDA: the parity tests that fit one device (pytest marker "gpu", which
-# every other run deselects);
-# without CUDA they are skipped, and the command says so. Not in `make test` or CI.
-test-gpu: $(BIN)/.installed  ## parity tests on one CUDA device (skipped without CUDA)
-	$(BIN)/pytest -q -p no:cacheprovider -m gpu -rs tests/distributed/test_cuda_parity.py
+# On a machine with CUDA: the parity tests that fit one device, and the GPU guide's script on
+# every device (pytest marker "gpu", which every other run deselects); without CUDA they are
+# skipped, and the command says so. Not in `make test` or CI.
+test-gpu: $(BIN)/.installed  ## parity on one CUDA device, the GPU guide on all (skipped without CUDA)
+	$(BIN)/pytest -q -p no:cacheprovider -m gpu -rs tests/distributed/test_cuda_parity.py \
+		tests/distributed/test_gpu_guide_torchrun.py
 
 # `make demo DEMO_ARGS=--hsdp`: fully_shard as HSDP on 4 processes (2 replicas x 2 shards).
 DEMO_ARGS ?=
@@ -82,7 +84,7 @@ dist: $(BIN)/.installed  ## sdist and wheel into dist/, checked by twine check -
 	$(BIN)/twine check --strict dist/*
 
 # The tests against several torch releases, each in its own cached venv outside the repo.
-compat:  ## the test suite against several torch releases; writes docs/generated/compat.md
+compat:  ## the test suite against several torch releases; writes docs/generated/compat/
 	bash tools/compat.sh
 
 # Before a release, not in CI: the property and stateful tests with random seeds, ten

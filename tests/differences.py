@@ -16,7 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from torchcontract import ContractError, NoProcessGroupError
+from torchcontract import (
+    AlreadyManagedError,
+    ContractError,
+    InvalidTargetError,
+    NoProcessGroupError,
+)
 from torchcontract.apis import ModelMismatchError
 
 __all__ = [
@@ -219,6 +224,26 @@ DIFFERENCES: Final = (
     ),
     Difference(
         "fully_shard",
+        "`copy.deepcopy` of a sharded module",
+        "refused",
+        "refused with an `AssertionError`",
+        "A `ContractError` (a `RuntimeError`), not FSDP2's `AssertionError`. Copy the model "
+        "before `fully_shard`, or load its state dict into a new model sharded the same way.",
+        "probe:deepcopy_of_a_sharded_module",
+        ContractError,
+    ),
+    Difference(
+        "fully_shard",
+        "A module sharded after its parent",
+        "refused at apply, naming the parameter",
+        "fails with a `TypeError` from inside FSDP2 (`Invariant encountered`)",
+        "An `AlreadyManagedError` (a `RuntimeError` and a `ValueError`), not a `TypeError`. "
+        "Apply `fully_shard` to the inner modules first, then to their parents.",
+        "probe:module_sharded_after_its_parent",
+        AlreadyManagedError,
+    ),
+    Difference(
+        "fully_shard",
         "torch's code reading FSDP2's internal objects (its parameters' records, streams, "
         "buffers: what its memory tracker reads)",
         "raises, naming the attribute",
@@ -255,6 +280,26 @@ DIFFERENCES: Final = (
         _DISTRIBUTED + "test_replicate_real_use_gloo.py"
         "::test_different_widths_on_different_ranks_raise_on_every_rank",
         ModelMismatchError,
+    ),
+    Difference(
+        "replicate",
+        "`broadcast_buffers`'s default",
+        "`True`",
+        "`None` where DDP takes `forward_sync_buffers` (torch 2.13 and later): deprecated, and "
+        "`True` unless `forward_sync_buffers` is given; `True` before",
+        "The same buffers are broadcast. `forward_sync_buffers` is not taken: pass "
+        "`broadcast_buffers=False` to stop the broadcast before each forward.",
+        "probe:broadcast_buffers_default",
+    ),
+    Difference(
+        "replicate",
+        "A module with no parameter that requires a gradient",
+        "refused",
+        "refused with a `RuntimeError`",
+        "An `InvalidTargetError` (a `TypeError` and a `ValueError`), not DDP's `RuntimeError`. "
+        "Apply `replicate` to a module with trainable parameters.",
+        "probe:no_trainable_parameter",
+        InvalidTargetError,
     ),
     Difference(
         "replicate",

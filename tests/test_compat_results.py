@@ -36,6 +36,17 @@ def test_a_log_becomes_a_table_row_and_the_skip_reasons_with_counts(tmp_path: Pa
     )
 
 
+def test_the_table_holds_every_release_row_oldest_first(tmp_path: Path) -> None:
+    log = tmp_path / "torch.log"
+    log.write_text(LOG)
+    script = ROOT / "tools" / "compat_results.py"
+    for version in ("2.14.1", "2.6.0"):
+        subprocess.run([sys.executable, script, version, log, "0", tmp_path], check=True)
+    lines = (tmp_path / "table.md").read_text().splitlines()
+    assert lines[0].startswith("| torch | date | commit |")
+    assert [line.split()[1] for line in lines[2:]] == ["2.6.0", "2.14.1"]
+
+
 def test_the_supported_versions_page_includes_every_release_compat_runs() -> None:
     """Each default release of tools/compat.sh has its row and skips on the page, and files."""
     script = (ROOT / "tools" / "compat.sh").read_text()
@@ -43,9 +54,12 @@ def test_the_supported_versions_page_includes_every_release_compat_runs() -> Non
     assert match is not None
     page = (ROOT / "docs" / "supported-versions.md").read_text()
     for version in match.group(1).split():
-        for name in (f"torch-{version}.md", f"torch-{version}-skips.md"):
-            assert f'--8<-- "docs/generated/compat/{name}"' in page
-            assert (RESULTS / name).is_file()
+        assert f'--8<-- "docs/generated/compat/torch-{version}-skips.md"' in page
+        assert (RESULTS / f"torch-{version}-skips.md").is_file()
         row = (RESULTS / f"torch-{version}.md").read_text()
         assert row.startswith(f"| {version} | ")
         assert row.count("\n") == 1
+        assert row in (RESULTS / "table.md").read_text()
+    # One include for the whole table: rows from two includes would not stay one table.
+    assert page.count('--8<-- "docs/generated/compat/table.md"') == 1
+    assert not re.search(r'--8<-- "docs/generated/compat/torch-[\d.]+\.md"', page)

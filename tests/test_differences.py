@@ -9,6 +9,8 @@ the version gate of ``apis._compat``, on the running torch.
 
 from __future__ import annotations
 
+import builtins
+import copy
 import inspect
 import re
 import tomllib
@@ -196,8 +198,64 @@ def _rank_local() -> None:
     assert not hasattr(model, "module")
 
 
+def _theirs_raise(row_check: str, call: Call) -> None:
+    """PyTorch's ``call`` raises the exception the row's ``theirs`` names."""
+    row = next(row for row in DIFFERENCES if row.check == row_check)
+    named = re.search(r"`(\w+Error)`", row.theirs)
+    assert named is not None, f"{row.what}: name PyTorch's exception in `theirs`"
+    expected: type[BaseException] = getattr(builtins, named[1])
+    with pytest.raises(expected) as raised:
+        call()
+    assert type(raised.value) is expected
+
+
+def _deepcopy_of_a_sharded_module() -> Call:
+    mesh = init_device_mesh("cpu", (1,))
+    if _compat.REFERENCE_FULLY_SHARD_ON_CPU:
+        theirs = torch_fully_shard(nn.Linear(2, 2), mesh=mesh)
+        _theirs_raise("probe:deepcopy_of_a_sharded_module", lambda: copy.deepcopy(theirs))
+    ours = fully_shard(nn.Linear(2, 2), mesh=mesh)
+    return lambda: copy.deepcopy(ours)
+
+
+def _module_sharded_after_its_parent() -> Call:
+    mesh = init_device_mesh("cpu", (1,))
+    if _compat.REFERENCE_FULLY_SHARD_ON_CPU:
+        theirs = nn.Sequential(nn.Linear(2, 2))
+        torch_fully_shard(theirs, mesh=mesh)
+        _theirs_raise(
+            "probe:module_sharded_after_its_parent",
+            lambda: torch_fully_shard(theirs[0], mesh=mesh),
+        )
+    ours = fully_shard(nn.Sequential(nn.Linear(2, 2)), mesh=mesh)
+    return lambda: fully_shard(ours[0], mesh=mesh)
+
+
+def _frozen() -> nn.Module:
+    return nn.Linear(2, 2).requires_grad_(False)
+
+
+def _no_trainable_parameter() -> Call:
+    _theirs_raise("probe:no_trainable_parameter", lambda: DistributedDataParallel(_frozen()))
+    return lambda: replicate(_frozen())
+
+
+def _default(function: Callable[..., object], keyword: str) -> object:
+    return inspect.signature(function).parameters[keyword].default
+
+
+def _broadcast_buffers_default() -> None:
+    assert _default(replicate, "broadcast_buffers") is True
+    sync = inspect.signature(DistributedDataParallel).parameters.get("forward_sync_buffers")
+    assert _default(DistributedDataParallel, "broadcast_buffers") is (None if sync else True)
+
+
 PROBES: dict[str, Probe] = {
     "accelerator_methods": _accelerator_methods,
+    "broadcast_buffers_default": _broadcast_buffers_default,
+    "deepcopy_of_a_sharded_module": _deepcopy_of_a_sharded_module,
+    "module_sharded_after_its_parent": _module_sharded_after_its_parent,
+    "no_trainable_parameter": _no_trainable_parameter,
     "dp_mesh_dims_replicate_only": _dp_mesh_dims_replicate_only,
     "int_reshard_with_shard_1": _int_reshard_with_shard_1,
     "int_reshard_with_tensor_parallel": _int_reshard_with_tensor_parallel,
@@ -428,3 +486,17 @@ def test_a_rendered_table_names_the_exception_each_refusal_raises() -> None:
     for row in DIFFERENCES:
         if row.raises is not None:
             assert f"`{row.raises.__name__}`" in table
+
+
+def test_a_keyword_shared_with_ddp_has_ddps_default_unless_a_row_says_otherwise() -> None:
+    """What "DDP's defaults" means on the pages: every keyword both take, but the rows'."""
+    ours = inspect.signature(replicate).parameters
+    theirs = inspect.signature(DistributedDataParallel).parameters
+    shared = sorted(set(ours) & set(theirs) - {"module"})
+    differing = [name for name in shared if ours[name].default != theirs[name].default]
+    told = [
+        name
+        for name in differing
+        if any(row.api == "replicate" and f"`{name}`'s default" in row.what for row in DIFFERENCES)
+    ]
+    assert differing == told

@@ -28,3 +28,11 @@ def test_every_target_is_phony() -> None:
     declared = re.search(r"^\.PHONY:((?:.*\\\n)*.*)$", text, flags=re.M)
     assert declared is not None
     assert set(declared[1].replace("\\", " ").split()) == set(_targets())
+
+
+def test_every_path_make_help_says_a_target_writes_exists() -> None:
+    # `make compat` writes docs/generated/compat/, not a file next to it.
+    done = run_command(("make", "--no-print-directory", "help"), timeout=60, cwd=ROOT)
+    written = re.findall(r"writes ([\w./-]+/[\w./-]*)", done.stdout)
+    assert "docs/generated/compat/" in written
+    assert [path for path in written if not (ROOT / path).exists()] == []

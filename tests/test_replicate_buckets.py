@@ -1,13 +1,22 @@
-"""Bucket assignment: every parameter once, one kind per bucket, DDP's caps, launch order."""
+"""Bucket assignment: every parameter once, one kind per bucket, DDP's caps, launch order.
+
+The last tests hold the rules docs/replicate.md and docs/how-it-works.md state, on one
+gloo rank beside ``DistributedDataParallel``.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch import Tensor
+from torch import Tensor, nn
 from torch._C._distributed_c10d import _compute_bucket_assignment_by_size
+from torch.nn.parallel import DistributedDataParallel
 
+from torchcontract.apis import replicate
 from torchcontract.apis.replicate._buckets import assign_buckets, assign_buckets_as_ddp
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
@@ -78,3 +87,63 @@ def test_a_bucket_closes_once_it_reaches_its_cap_as_ddps() -> None:
     """Not before it would exceed it: 600 + 600 bytes close a 1,000-byte bucket."""
     members = [torch.empty(150) for _ in range(3)]  # 600 bytes each
     assert assign_buckets_as_ddp(members, range(3), [1000]) == [[0, 1], [2]]
+
+
+# ------------------------------------------------------ the rules the pages state, beside DDP
+
+#: 20 KiB: a bucket holds about one of the model's 16 KiB weights.
+CAP_MB = 0.02
+
+
+def _six_layers() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(64, 64) for _ in range(6)))
+
+
+def _sizes(model: nn.Module) -> list[int]:
+    """The bytes of each bucket of ``replicate``'s record, in launch order."""
+    parameters = dict(model.named_parameters())
+    buckets = replicate.state(model).buckets
+    return [sum(_bytes(parameters[name]) for name in bucket) for bucket in buckets]
+
+
+def _ddp_sizes(find_unused_parameters: bool) -> list[int]:
+    """The bytes of each of DDP's first buckets, in launch order, on the same model."""
+    ddp = DistributedDataParallel(
+        _six_layers(), bucket_cap_mb=CAP_MB, find_unused_parameters=find_unused_parameters
+    )
+    logging_data: Callable[[], dict[str, object]] = ddp._get_ddp_logging_data
+    logged = logging_data()["bucket_sizes"]
+    assert isinstance(logged, str)
+    return [int(size) for size in logged.split(", ")]
+
+
+def _step(model: nn.Module) -> None:
+    model(torch.randn(2, 64)).sum().backward()
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_by_default_the_first_backward_reduces_every_parameter_in_one_bucket_as_ddp() -> None:
+    model = replicate(_six_layers(), bucket_cap_mb=CAP_MB)
+    everything = tuple(name for name, _ in model.named_parameters())
+    assert replicate.state(model).buckets == (everything,)
+    assert _sizes(model) == _ddp_sizes(find_unused_parameters=False)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_by_default_the_buckets_take_the_cap_once_rebuilt_after_the_first_backward() -> None:
+    model = replicate(_six_layers(), bucket_cap_mb=CAP_MB)
+    _step(model)
+    sizes = _sizes(model)
+    assert len(sizes) > 1
+    assert sum(sizes) == sum(_bytes(parameter) for parameter in model.parameters())
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_with_find_unused_parameters_the_caps_hold_from_the_start_and_stay() -> None:
+    model = replicate(_six_layers(), bucket_cap_mb=CAP_MB, find_unused_parameters=True)
+    first = _sizes(model)
+    assert len(first) > 1
+    assert first == _ddp_sizes(find_unused_parameters=True)
+    _step(model)
+    assert _sizes(model) == first

@@ -4,6 +4,8 @@ Usage: ``python tools/compat_results.py VERSION LOG EXIT_CODE DIRECTORY``. Reads
 log (run with ``-ra``, as pyproject.toml sets) and writes ``torch-VERSION.md``, one table
 row (release, date, commit, passed, skipped, failed, the machine's cores and load), and
 ``torch-VERSION-skips.md``, each distinct skip reason with its count, most frequent first.
+Then writes ``table.md``, the whole table of every release's last row (the page includes
+that one file: a table whose rows came from several includes would end at the first).
 """
 
 from __future__ import annotations
@@ -40,6 +42,24 @@ def skip_reasons(log: str) -> Counter[str]:
     return reasons
 
 
+#: The header of the table every release's row goes in.
+HEADER = (
+    "| torch | date | commit | passed | skipped | failed | machine |\n"
+    "|---|---|---|---:|---:|---:|---|\n"
+)
+
+
+def release(path: Path) -> tuple[int, ...]:
+    """The release a row file is for, as numbers (``torch-2.14.1.md``: 2, 14, 1)."""
+    return tuple(int(part) for part in path.stem.removeprefix("torch-").split("."))
+
+
+def write_table(directory: Path) -> None:
+    """``table.md``: the header, then each release's row, oldest release first."""
+    rows = sorted(directory.glob("torch-*[0-9].md"), key=release)
+    (directory / "table.md").write_text(HEADER + "".join(row.read_text() for row in rows))
+
+
 def main(version: str, log_path: str, code: str, directory: str) -> None:
     log = Path(log_path).read_text(errors="replace")
     found = counts(log)
@@ -60,6 +80,7 @@ def main(version: str, log_path: str, code: str, directory: str) -> None:
     reasons = skip_reasons(log)
     lines = [f"- {count:,}: {reason}\n" for reason, count in reasons.most_common()]
     (out / f"torch-{version}-skips.md").write_text("".join(lines) or "- none\n")
+    write_table(out)
 
 
 if __name__ == "__main__":

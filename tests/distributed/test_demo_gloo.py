@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from commands import run_command
+from pages import DOCS
 
 from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.demo import Outcome, Settings, ShardedOutcome, train, train_sharded
@@ -76,16 +78,38 @@ def test_sharded_loss_falls_and_ranks_agree(sharded: list[ShardedOutcome]) -> No
     assert sharded[0].final_loss == sharded[1].final_loss
 
 
-def _run(command: list[str]) -> str:
+def _completed(command: list[str]) -> subprocess.CompletedProcess[str]:
     environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
     done = run_command(command, timeout=180, env=environment)
     assert done.returncode == 0, done.stderr
-    return done.stdout
+    return done
+
+
+def _run(command: list[str]) -> str:
+    return _completed(command).stdout
 
 
 @pytest.fixture(scope="module")
-def demo_output() -> str:
-    return _run([sys.executable, "-m", "torchcontract.demo", "--nproc", "2", "--steps", "3"])
+def demo_run() -> subprocess.CompletedProcess[str]:
+    return _completed([sys.executable, "-m", "torchcontract.demo", "--nproc", "2", "--steps", "3"])
+
+
+@pytest.fixture(scope="module")
+def demo_output(demo_run: subprocess.CompletedProcess[str]) -> str:
+    return demo_run.stdout
+
+
+#: DDP's warning, which docs/getting-started.md explains: one per process, from the DDP copy.
+DDP_WARNING = "find_unused_parameters=True was specified in DDP constructor"
+
+
+def test_demo_warns_as_the_getting_started_page_explains(
+    demo_run: subprocess.CompletedProcess[str],
+) -> None:
+    warned = [line for line in demo_run.stderr.splitlines() if DDP_WARNING in line]
+    assert sorted(line.split("]")[0] for line in warned) == ["[rank0", "[rank1"]
+    page = " ".join((DOCS / "getting-started.md").read_text().split())
+    assert f"`{DDP_WARNING}, but did not find any unused parameters`" in page
 
 
 def test_demo_command_prints_the_report(demo_output: str) -> None:

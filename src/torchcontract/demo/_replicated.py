@@ -45,7 +45,12 @@ class Outcome:
 def _compare_with_ddp(
     model: GPT, reference: GPT, tokens: Tensor, targets: Tensor
 ) -> tuple[Tensor, float]:
-    """Backward one batch through ``model`` and a DDP copy; the loss and largest grad gap."""
+    """Backward one batch through ``model`` and a DDP copy; the loss and largest grad gap.
+
+    The copy takes ``find_unused_parameters=True`` as ``replicate`` does here, so both
+    reduce the same buckets; every parameter is used, so DDP warns once per process that
+    the setting was not needed (getting-started explains the warning to the demo's users).
+    """
     ddp = DistributedDataParallel(reference, find_unused_parameters=True)
 
     def backward(module: torch.nn.Module) -> Tensor:

@@ -13,7 +13,8 @@ qualified name, keep naming the user's class.
 
 The class is made, cached and restored by ``apis._swapped_class``, which
 ``replicate`` shares. ``copy.deepcopy`` of such a module is refused, as FSDP2
-refuses it: a copy would hold the shards with no group to gather them (its
+refuses it (with ``ContractError``, where FSDP2 raises ``AssertionError``: the
+differences table lists it): a copy would hold the shards with no group to gather them (its
 forward would fail inside torch), and giving it one would carry the application
 to the copy, which copies never do (docs/semantics.md, Copies). A state dict
 moves a sharded model instead. A pickle is of the original class: its hooks
@@ -330,7 +331,10 @@ class FullyShardModule(FSDPModule):
         return cast(Any, super(FSDPModule, self))._apply(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, object]) -> NoReturn:
-        """Refused with ``ContractError``, as FSDP2 refuses: move the state dict instead."""
+        """Refused with ``ContractError``: move the state dict instead.
+
+        FSDP2 refuses too, with ``AssertionError``; the differences table lists the other type.
+        """
         raise ContractError(
             f"fully_shard on {_label(self)}: a sharded module cannot be deep-copied (its "
             "parameters are shards of tensors spread over the mesh's ranks, gathered by its "

@@ -1,8 +1,12 @@
 """Bucketing: which parameters are reduced together, and broadcasts in flat chunks.
 
-As ``DistributedDataParallel``: buckets hold one device and dtype each; under the
-default cap, the bucket of the parameters defined first (launched last) holds
-1 MiB, the others ``bucket_cap_mb``. The reducer's buckets are DDP's
+As ``DistributedDataParallel``: buckets hold one device and dtype each. With
+``find_unused_parameters=False`` (the default) or ``static_graph``, the buckets
+until the rebuild are one per device and dtype, holding every parameter (DDP
+cannot know the order gradients arrive in); the rebuild (``_rebuild``) then takes
+the caps. With ``find_unused_parameters=True`` the caps hold from the start, and
+under the default cap the bucket of the parameters defined first (launched last)
+holds 1 MiB, the others ``bucket_cap_mb``. The reducer's buckets are DDP's
 (``assign_buckets_as_ddp``: a bucket closes once it holds its cap); broadcasts go
 in chunks of at most the cap (``assign_buckets``: a tensor larger than the cap
 gets a chunk of its own).
