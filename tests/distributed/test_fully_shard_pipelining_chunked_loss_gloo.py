@@ -16,7 +16,7 @@ and parameters must be equal to the bit after every step.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final, cast
 
 import pytest
 import torch
@@ -74,6 +74,9 @@ class _CarryGradient(torch.autograd.Function):
         return gradient * grad_output, None, None
 
 
+_carry_gradient: Final = cast(Callable[..., Tensor], _CarryGradient.apply)
+
+
 class ChunkedLoss:
     """torchtitan's chunked loss: the head per chunk, each chunk's backward at once."""
 
@@ -82,32 +85,31 @@ class ChunkedLoss:
 
     def __call__(self, hidden: Tensor, target: Tensor) -> Tensor:
         head = self.head
-        sharded = isinstance(head, FSDPModule)
+        sharded = head if isinstance(head, FSDPModule) else None
         detached = hidden.detach().requires_grad_()
         total = torch.zeros(())
-        if sharded:  # the head's weights stay gathered over the chunks, reduced once
-            head.set_reshard_after_forward(False)
-            head.set_reshard_after_backward(False)
-            head.set_requires_gradient_sync(False, recurse=False)
+        if sharded is not None:  # the head's weights stay gathered over the chunks
+            sharded.set_reshard_after_forward(False)
+            sharded.set_reshard_after_backward(False)
+            sharded.set_requires_gradient_sync(False, recurse=False)
         gradients = []
         chunks = [chunk.detach().requires_grad_() for chunk in detached.chunk(CHUNKS)]
         for index, (chunk, chunk_target) in enumerate(
             zip(chunks, target.chunk(CHUNKS), strict=True)
         ):
-            if sharded and index == CHUNKS - 1:
-                head.set_requires_gradient_sync(True, recurse=False)
+            if sharded is not None and index == CHUNKS - 1:
+                sharded.set_requires_gradient_sync(True, recurse=False)
             loss = ((head(chunk) - chunk_target) ** 2).mean() / CHUNKS
             loss.backward()
             total = total + loss.detach()
             assert chunk.grad is not None
             gradients.append(chunk.grad)
-        if sharded:
-            head.set_reshard_after_forward(True)
-            head.set_reshard_after_backward(True)
-            head.set_requires_gradient_sync(True, recurse=False)
-            head.reshard()
-        out: Tensor = _CarryGradient.apply(hidden, torch.cat(gradients), total)
-        return out
+        if sharded is not None:
+            sharded.set_reshard_after_forward(True)
+            sharded.set_reshard_after_backward(True)
+            sharded.set_requires_gradient_sync(True, recurse=False)
+            sharded.reshard()
+        return _carry_gradient(hidden, torch.cat(gradients), total)
 
 
 def _elsewhere(output: Tensor, target: Tensor) -> Tensor:
