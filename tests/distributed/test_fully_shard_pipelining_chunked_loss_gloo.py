@@ -33,6 +33,8 @@ from torchcontract.apis import fully_shard
 from torchcontract.testing import run_distributed
 
 Results = dict[str, Any]
+#: One rank's results, by schedule and whether the norm and head are one list.
+Runs = dict[tuple[str, bool], Results]
 Apply = Callable[..., Any]
 
 #: The schedules that split a stage's backward into input and weight backwards.
@@ -213,7 +215,7 @@ def _train(mesh: DeviceMesh, name: str, *, listed: bool) -> Results:
     }
 
 
-def _job(rank: int, world_size: int) -> Results:
+def _job(rank: int, world_size: int) -> Runs:
     mesh = init_device_mesh("cpu", (PP, world_size // PP), mesh_dim_names=("pp", "dp"))
     return {
         (name, listed): _train(mesh, name, listed=listed)
@@ -223,14 +225,14 @@ def _job(rank: int, world_size: int) -> Results:
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[Results]:
+def ranks() -> list[Runs]:
     return run_distributed(_job, 4, timeout=300.0)
 
 
 @pytest.mark.parametrize("listed", [True, False], ids=["norm-and-head-listed", "head-alone"])
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_a_loss_that_runs_backward_in_the_last_stage_trains_as_torch_fully_shard(
-    ranks: list[Results], name: str, listed: bool
+    ranks: list[Runs], name: str, listed: bool
 ) -> None:
     """The head sharded with the norm as one list (torchtitan's), or alone."""
     for result in ranks:
