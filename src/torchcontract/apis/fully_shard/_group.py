@@ -171,6 +171,23 @@ class ParamGroup:
         self.post_forward_indices: list[int] = []
         # HSDP with requires_all_reduce off: reduce-scattered shards awaiting the all-reduce.
         self.deferred: dict[int, Tensor] = {}
+        # A list's application: ids of its modules yet to run forward in this pass (FSDP2's
+        # ``_modules_to_run_forward``); its post-forward waits for the last of them.
+        self.to_run_forward: set[int] = set()
+
+    def completes_forward(self, module_id: int) -> bool:
+        """Note the forward of one of the group's modules: whether it ends the group's forward.
+
+        A group of one module: always. A list's: when the module was the last of those
+        yet to run in this pass; one run again (a head a chunked loss calls per chunk)
+        ends nothing.
+        """
+        if len(self.module_ids) == 1:
+            return True
+        if module_id not in self.to_run_forward:
+            return False
+        self.to_run_forward.discard(module_id)
+        return not self.to_run_forward
 
     def modules(self) -> list[nn.Module]:
         """The group's modules that are still alive."""
@@ -498,6 +515,7 @@ def finish_backward(root: Root) -> None:
         for group in root.groups:
             group.drop_prefetch()
             group.post_forward_indices.clear()
+            group.to_run_forward.clear()
             group.phase = Phase.IDLE
             if group.reduced:
                 group.reduced = False
