@@ -29,6 +29,7 @@ from torchcontract.apis.replicate import (
     KeywordNotInThisTorchError,
     UnsupportedKeywordError,
 )
+from torchcontract.apis.replicate._devices import Devices, MoveInputs, devices
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
 
@@ -256,3 +257,20 @@ def test_the_pair_ddp_refuses_alone_is_named() -> None:
 def test_device_ids_is_positional_as_ddps() -> None:
     model = replicate(nn.Linear(2, 2), None, None)
     assert replicate.state(model).broadcast_buffers
+
+
+def test_device_ids_on_a_module_on_one_accelerator_device_names_where_inputs_go() -> None:
+    """The branch only an accelerator reaches, on the meta device: DDP's resolution."""
+    parameters = list(nn.Linear(2, 2, device="meta").parameters())
+    resolved = devices(nn.Linear(2, 2), parameters, [0], None)
+    assert resolved == Devices((0,), 0, torch.device("meta", 0))
+    assert devices(nn.Linear(2, 2), parameters, [0], 3).output_device == 3
+    assert devices(nn.Linear(2, 2), parameters, None, None) == Devices(None, None, None)
+
+
+def test_the_input_hook_copies_every_tensor_of_the_arguments_to_the_device() -> None:
+    hook = MoveInputs(torch.device("meta"))
+    args, kwargs = hook(nn.Linear(2, 2), (torch.ones(2), 3), {"mask": torch.zeros(1)})
+    assert args[0].device.type == "meta"
+    assert args[1] == 3
+    assert kwargs["mask"].device.type == "meta"

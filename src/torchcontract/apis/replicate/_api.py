@@ -435,11 +435,11 @@ def replicate(
         skip_all_reduce_unused_params is not False,
         "leave it False (unused parameters are then averaged, as DDP's default)",
     )
+    buffers = buffer_sync(module, broadcast_buffers, forward_sync_buffers)
     group = _group(module, _mesh_group(module, process_group, device_mesh))
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     _require_trainable(module, named)
     placed = devices(module, [p for _, p in module.named_parameters()], device_ids, output_device)
-    buffers = buffer_sync(module, broadcast_buffers, forward_sync_buffers)
     warn_check_reduction(module, check_reduction)
     if group.size() > 1 and init_sync:
         check_same_model(module, group)
