@@ -194,7 +194,10 @@ def test_the_cases_cover_acceptance_refusal_and_warnings() -> None:
 @pytest.mark.parametrize(
     ("keywords", "message"),
     [
-        ({"device_ids": [0]}, r"replicate on Linear: device_ids and output_device name the one "),
+        (
+            {"device_ids": [0]},
+            r"replicate on Linear: device_ids and output_device are for a module on one ",
+        ),
         ({"output_device": 1}, r"parameters are on \['cpu'\]; leave both None"),
         ({"device_ids": [0, 1]}, r"device_ids can hold one device at most .* got 2; pass "),
     ],

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.parallel.distributed import _MixedPrecision
 
 from torchcontract import (
     ContractError,
@@ -283,7 +282,7 @@ def replicate(
     static_graph: bool = False,
     delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
     param_to_hook_all_reduce: nn.Parameter | None = None,
-    mixed_precision: _MixedPrecision | None = None,
+    mixed_precision: None = None,
     device_mesh: DeviceMesh | None = None,
     skip_all_reduce_unused_params: bool = False,
     bucket_cap_mb_list: Sequence[float] | None = None,

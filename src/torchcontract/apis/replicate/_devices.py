@@ -72,9 +72,9 @@ def devices(
         if listed or output_device:
             shown = sorted(str(device) for device in found)
             raise InvalidKeywordError(
-                f"{where}: device_ids and output_device name the one accelerator device of a "
-                f"module on one, and the parameters are on {shown}; leave both None (the "
-                "module and its inputs stay where they are), or move the module to one device"
+                f"{where}: device_ids and output_device are for a module on one accelerator "
+                f"device, and the parameters are on {shown}; leave both None (the module and "
+                "its inputs stay where they are), or move the module to one device"
             )
         return Devices(None, None, None)
     ids = tuple(_torch.device_index(device) for device in listed)
