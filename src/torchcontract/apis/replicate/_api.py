@@ -311,7 +311,8 @@ def replicate(
     The keywords are ``DistributedDataParallel.__init__``'s, in its order, with its
     defaults (the first four positional too, as DDP's; the rest keyword-only, as
     their positions differ between torch releases). One that the installed torch's
-    DDP lacks is refused with a ``TypeError``, as DDP refuses it.
+    DDP lacks is refused with a ``TypeError``, as DDP refuses it, where given another
+    value than its default.
 
     Args:
         module: The model (one module; a list is refused).

@@ -6,7 +6,8 @@ whether buffers are synced before each forward, and rank 0's buffers are copied 
 apply; else ``broadcast_buffers`` (None: True) says both. Where this torch's DDP
 deprecates ``broadcast_buffers`` (it takes ``forward_sync_buffers``), passing it warns
 as DDP warns, with a ``FutureWarning``. A keyword this torch's DDP lacks is refused
-with a ``TypeError``, as DDP refuses it.
+with a ``TypeError``, as DDP refuses it, where given another value than its default (at
+its default it asks for nothing that DDP does not do).
 """
 
 from __future__ import annotations
