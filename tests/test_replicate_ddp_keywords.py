@@ -11,6 +11,7 @@ warnings. The numbers behind the buffer keywords are compared on 2 ranks in
 
 from __future__ import annotations
 
+import copy
 import inspect
 import warnings
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from torchcontract.apis.replicate import (
     UnsupportedKeywordError,
 )
 from torchcontract.apis.replicate._devices import Devices, MoveInputs, devices
+from torchcontract.apis.replicate._reducer import reducer_of
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
 
@@ -281,8 +283,16 @@ def test_device_ids_on_a_module_on_one_accelerator_device_names_where_inputs_go(
 
 
 def test_the_input_hook_copies_every_tensor_of_the_arguments_to_the_device() -> None:
-    hook = MoveInputs(torch.device("meta"))
-    args, kwargs = hook(nn.Linear(2, 2), (torch.ones(2), 3), {"mask": torch.zeros(1)})
+    model = replicate(nn.Linear(2, 2))
+    reducer = reducer_of(model)
+    assert reducer is not None
+    hook = MoveInputs(reducer, torch.device("meta"))
+    moved = hook(model, (torch.ones(2), 3), {"mask": torch.zeros(1)})
+    assert moved is not None
+    args, kwargs = moved
     assert args[0].device.type == "meta"
     assert args[1] == 3
     assert kwargs["mask"].device.type == "meta"
+    # Copies get an inert hook: it acts for the application that installed it only.
+    assert copy.deepcopy(hook)(model, (torch.ones(2),), {}) is None
+    assert hook(nn.Linear(2, 2), (torch.ones(2),), {}) is None

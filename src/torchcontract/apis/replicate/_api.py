@@ -464,7 +464,7 @@ def replicate(
     hooks = _ForwardHooks(reducer)
     module.register_forward_pre_hook(hooks.before)
     if placed.input_device is not None:
-        module.register_forward_pre_hook(MoveInputs(placed.input_device), with_kwargs=True)
+        module.register_forward_pre_hook(MoveInputs(reducer, placed.input_device), with_kwargs=True)
     module.register_forward_hook(hooks.after)
     on_rollback(_Undo(module, reducer))
     module.__class__ = replicate_class(type(module))

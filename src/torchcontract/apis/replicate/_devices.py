@@ -25,6 +25,7 @@ from torchcontract import ContractError, module_label
 
 from .. import _torch
 from ..checkpoint import describe_value
+from ._reducer import Reducer
 
 __all__ = ["Devices", "InvalidKeywordError", "MoveInputs", "devices"]
 
@@ -96,16 +97,24 @@ def _device_list(where: str, device_ids: object) -> list[object] | None:
 class MoveInputs:
     """A forward pre-hook (with kwargs) copying the inputs to DDP's ``device_ids[0]``.
 
-    Copies and pickles of the module keep it: it holds a device, nothing else.
+    It acts only for the application that installed it (``reducer.record(module)``):
+    not after a rolled-back apply, nor on copies and pickles of the module, which get an
+    inert hook (the copy gets hooks of its own when replicate is applied to it).
     """
 
-    __slots__ = ("_device", "_side_stream")
+    __slots__ = ("_device", "_reducer", "_side_stream")
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, reducer: Reducer | None, device: torch.device | None) -> None:
+        self._reducer = reducer
         self._device = device
         self._side_stream = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
 
+    def __reduce__(self) -> tuple[type[MoveInputs], tuple[None, None]]:
+        return MoveInputs, (None, None)
+
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if self._device is None or self._reducer is None or self._reducer.record(module) is None:
+            return None
         return _torch.inputs_to(args, kwargs, self._device, self._side_stream)
