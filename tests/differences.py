@@ -23,6 +23,7 @@ from torchcontract import (
     NoProcessGroupError,
 )
 from torchcontract.apis import ModelMismatchError
+from torchcontract.apis.replicate import UnsupportedKeywordError
 
 __all__ = [
     "DIFFERENCES",
@@ -65,12 +66,17 @@ class Difference:
 
 @dataclass(frozen=True)
 class Keyword:
-    """One keyword of PyTorch's API: whether ours takes it, and what to know."""
+    """One keyword of PyTorch's API: whether ours takes it, and what to know.
+
+    ``refused``: taken at its default only; any other value raises this (the table
+    shows it; the test asserts it).
+    """
 
     api: API
     name: str
     taken: bool
     note: str
+    refused: type[BaseException] | None = None
 
 
 @dataclass(frozen=True)
@@ -339,25 +345,70 @@ KEYWORDS: Final = (
         True,
         "torch's `DataParallelMeshDims`; `shard` must be named",
     ),
+    Keyword(
+        "replicate",
+        "device_ids",
+        True,
+        "`None`, or `[local_rank]` for a model on that one device: nothing moves at apply; "
+        "each forward's inputs are copied there, as DDP's",
+    ),
+    Keyword(
+        "replicate",
+        "output_device",
+        True,
+        "checked and kept, as DDP's (its forward moves no output either)",
+    ),
+    Keyword("replicate", "dim", True, "as DDP's: nothing in forward reads it"),
+    Keyword(
+        "replicate",
+        "broadcast_buffers",
+        True,
+        "deprecated from torch 2.13, as DDP's (a `FutureWarning`): use `forward_sync_buffers`",
+    ),
+    Keyword("replicate", "init_sync", True, "as DDP's"),
     Keyword("replicate", "process_group", True, "the default group if `None`"),
     Keyword("replicate", "bucket_cap_mb", True, "DDP's buckets in every backward"),
-    Keyword("replicate", "broadcast_buffers", True, "rank 0's buffers before each forward"),
     Keyword("replicate", "find_unused_parameters", True, "`False` by default, as DDP's"),
-    Keyword("replicate", "static_graph", True, "as DDP's"),
+    Keyword("replicate", "check_reduction", True, "deprecated in DDP, which ignores it"),
     Keyword("replicate", "gradient_as_bucket_view", True, "as DDP's"),
-    Keyword("replicate", "init_sync", True, "as DDP's"),
+    Keyword("replicate", "static_graph", True, "as DDP's"),
+    Keyword(
+        "replicate",
+        "delay_all_reduce_named_params",
+        True,
+        "not implemented: `None` only",
+        UnsupportedKeywordError,
+    ),
+    Keyword(
+        "replicate",
+        "param_to_hook_all_reduce",
+        True,
+        "not implemented: `None` only",
+        UnsupportedKeywordError,
+    ),
+    Keyword(
+        "replicate",
+        "mixed_precision",
+        True,
+        "not implemented: `None` only",
+        UnsupportedKeywordError,
+    ),
     Keyword("replicate", "device_mesh", True, "a 1-D mesh"),
+    Keyword(
+        "replicate",
+        "skip_all_reduce_unused_params",
+        True,
+        "not implemented: `False` only",
+        UnsupportedKeywordError,
+    ),
     Keyword("replicate", "bucket_cap_mb_list", True, "the cap of each bucket in turn"),
-    Keyword("replicate", "device_ids", False, "the model and its inputs stay where they are"),
-    Keyword("replicate", "output_device", False, "the outputs stay where the model puts them"),
-    Keyword("replicate", "dim", False, "inputs are not scattered"),
-    Keyword("replicate", "check_reduction", False, "deprecated in DDP"),
-    Keyword("replicate", "mixed_precision", False, "not implemented"),
-    Keyword("replicate", "delay_all_reduce_named_params", False, "not implemented"),
-    Keyword("replicate", "param_to_hook_all_reduce", False, "not implemented"),
-    Keyword("replicate", "skip_all_reduce_unused_params", False, "not implemented"),
-    Keyword("replicate", "batched_grad_copy", False, "not implemented"),
-    Keyword("replicate", "forward_sync_buffers", False, "not implemented"),
+    Keyword("replicate", "batched_grad_copy", True, "taken; the numbers are the same either way"),
+    Keyword(
+        "replicate",
+        "forward_sync_buffers",
+        True,
+        "rank 0's buffers before each forward; copied at apply either way, as DDP's",
+    ),
 )
 
 MINIMUM_TORCH: Final = (
@@ -373,6 +424,20 @@ MINIMUM_TORCH: Final = (
         (2, 13),
         "DDP_KEYWORDS:bucket_cap_mb_list",
         "bucket_cap_mb_list",
+        "replicate",
+    ),
+    MinimumTorch(
+        "`replicate(..., forward_sync_buffers=...)`",
+        (2, 13),
+        "DDP_KEYWORDS:forward_sync_buffers",
+        "forward_sync_buffers",
+        "replicate",
+    ),
+    MinimumTorch(
+        "`replicate(..., batched_grad_copy=True)`",
+        (2, 13),
+        "DDP_KEYWORDS:batched_grad_copy",
+        "batched_grad_copy",
         "replicate",
     ),
     MinimumTorch(
@@ -420,6 +485,8 @@ def render_keywords(api: API) -> str:
     for row in KEYWORDS:
         if row.api == api:
             taken = "taken" if row.taken else "refused: `TypeError`"
+            if row.refused is not None:
+                taken = f"at its default only; another value: `{row.refused.__name__}`"
             lines.append(f"| `{row.name}` | {taken} | {_cell(row.note)} |")
     return "\n".join(lines)
 

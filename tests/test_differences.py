@@ -39,6 +39,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel.distributed import _MixedPrecision
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchcontract.apis import _compat, fully_shard, rank_local, replicate
@@ -305,8 +306,9 @@ def _signature_keywords(function: Callable[..., object]) -> set[str]:
     return {
         name
         for name, parameter in inspect.signature(function).parameters.items()
-        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
-    }
+        if parameter.kind
+        in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    } - {"module"}
 
 
 def _ours_keywords(api: str) -> set[str]:
@@ -348,14 +350,31 @@ def test_a_keyword_this_torchs_reference_lacks_is_gated_or_taken_here(
             replicate(nn.Linear(2, 2), **keywords)
 
 
+def _not_default(name: str, model: nn.Module) -> dict[str, Any]:
+    """A value of DDP's keyword ``name`` other than its default (with its pair's)."""
+    first = next(model.parameters())
+    paired = {
+        "delay_all_reduce_named_params": list(model.named_parameters())[:1],
+        "param_to_hook_all_reduce": first,
+    }
+    if name in paired:
+        return paired
+    if name == "mixed_precision":
+        return {name: _MixedPrecision(param_dtype=torch.float16)}
+    return {name: True}
+
+
 @pytest.mark.parametrize(
-    "row", [row for row in KEYWORDS if not row.taken], ids=lambda row: row.name
+    "row", [row for row in KEYWORDS if row.refused is not None], ids=lambda row: row.name
 )
-def test_a_keyword_not_taken_is_a_type_error(row: Keyword) -> None:
+def test_a_keyword_taken_at_its_default_only_refuses_another_value(row: Keyword) -> None:
     assert row.api == "replicate"
+    assert row.refused is not None
     model = nn.Linear(2, 2)
-    keywords: dict[str, Any] = {row.name: None}
-    with pytest.raises(TypeError, match=row.name):
+    keywords = _not_default(row.name, model)
+    if not set(keywords) <= _compat.DDP_KEYWORDS:
+        pytest.skip(f"torch {torch.__version__}'s DDP lacks {sorted(keywords)}")
+    with pytest.raises(row.refused, match=f"{row.name}= (is not implemented|neither)"):
         replicate(model, **keywords)
     assert not replicate.is_applied(model)
 
@@ -391,7 +410,12 @@ def _gated_call(row: MinimumTorch, mesh: DeviceMesh) -> object:
         else:  # what a user of a newer torch's class would pass
             dims = type("DataParallelMeshDims", (), {"shard": "dp", "replicate": None})()
         return fully_shard(model, mesh=named, dp_mesh_dims=dims)
-    values: dict[str, Any] = {"bucket_cap_mb_list": [1.0, 2.0], "init_sync": False}
+    values: dict[str, Any] = {
+        "bucket_cap_mb_list": [1.0, 2.0],
+        "init_sync": False,
+        "forward_sync_buffers": False,
+        "batched_grad_copy": True,
+    }
     keywords: dict[str, Any] = {row.keyword: values[row.keyword]}
     return replicate(nn.Linear(2, 2), **keywords)
 

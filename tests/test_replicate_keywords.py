@@ -51,11 +51,6 @@ def test_a_keyword_this_torchs_ddp_lacks_is_refused(monkeypatch: pytest.MonkeyPa
     replicate(nn.Linear(2, 2))  # left at its default, it is not asked for
 
 
-def test_a_keyword_ddp_has_and_replicate_does_not_is_a_type_error() -> None:
-    with pytest.raises(TypeError, match="delay_all_reduce_named_params"):
-        replicate(nn.Linear(2, 2), delay_all_reduce_named_params=[])  # type: ignore[call-arg]
-
-
 # ----------------------------------------------------------------- errors DDP gives at construction
 
 

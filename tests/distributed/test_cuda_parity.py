@@ -4,7 +4,8 @@ The rest of the suite runs on gloo and CPU. These tests run the same comparisons
 CUDA device with NCCL, world size 1, in this process: ``fully_shard`` against PyTorch's
 ``fully_shard`` (FSDP2) plain, under bfloat16 mixed precision and with explicit
 prefetching; ``CPUOffloadPolicy``, which ``fully_shard`` refuses on an accelerator mesh;
-and ``replicate`` against ``DistributedDataParallel``. Each trains the same seeded GPT
+and ``replicate`` against ``DistributedDataParallel``, also as GPU scripts call it,
+``device_ids=[0]`` with batches left on the CPU. Each trains the same seeded GPT
 on the same batches with Adam and compares losses and parameters. Without CUDA every test
 here is skipped; ``make test`` and CI deselect the marker.
 """
@@ -153,3 +154,53 @@ def test_replicate_matches_distributed_data_parallel_on_cuda(mesh: DeviceMesh) -
     assert largest_gap(dict(mine.named_parameters()), dict(reference.named_parameters())) <= (
         TOLERANCE
     )
+
+
+def _train_from_cpu_batches(model: nn.Module) -> tuple[list[float], set[torch.device]]:
+    """Train on batches left on the CPU: the losses, and the devices the outputs were on."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses: list[float] = []
+    devices: set[torch.device] = set()
+    for step in range(STEPS):
+        tokens, targets = batch(0, step)  # on the CPU: device_ids=[0] copies them over
+        logits: torch.Tensor = model(tokens)
+        devices.add(logits.device)
+        loss = nn.functional.cross_entropy(
+            logits.reshape(targets.numel(), -1).float(), targets.cuda().reshape(-1)
+        )
+        torch.autograd.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses, devices
+
+
+def test_replicate_with_device_ids_matches_distributed_data_parallel_on_cuda(
+    mesh: DeviceMesh,
+) -> None:
+    """The GPU line, ``replicate(model, device_ids=[local_rank])``, beside DDP's."""
+    mine = gpt().cuda()
+    reference = copy.deepcopy(mine)
+    storages = [parameter.data_ptr() for parameter in mine.parameters()]
+    replicate(mine, device_ids=[0])
+    assert [parameter.data_ptr() for parameter in mine.parameters()] == storages  # moves nothing
+    wrapped = DistributedDataParallel(reference, device_ids=[0])
+    (my_losses, my_devices), (their_losses, their_devices) = (
+        _train_from_cpu_batches(mine),
+        _train_from_cpu_batches(wrapped),
+    )
+    assert my_devices == their_devices == {torch.device("cuda", 0)}
+    assert max(abs(a - b) for a, b in zip(my_losses, their_losses, strict=True)) <= TOLERANCE
+    assert largest_gap(dict(mine.named_parameters()), dict(reference.named_parameters())) <= (
+        TOLERANCE
+    )
+
+
+def test_device_ids_with_two_devices_is_refused_on_cuda_as_ddp(
+    mesh: DeviceMesh,
+) -> None:
+    """Two devices in device_ids: DDP's ValueError, ours a subclass naming replicate."""
+    with pytest.raises(ValueError, match="device_ids"):
+        DistributedDataParallel(nn.Linear(2, 2).cuda(), device_ids=[0, 0])
+    with pytest.raises(ValueError, match=r"replicate on Linear: device_ids can hold one"):
+        replicate(nn.Linear(2, 2).cuda(), device_ids=[0, 0])

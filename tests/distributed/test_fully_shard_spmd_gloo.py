@@ -4,9 +4,10 @@ Every parameter is distributed on the whole mesh (``Replicate()`` on ``dp``, spl
 on ``tp``) and the inputs are DTensors sharded on ``dp``; ``fully_shard`` with
 ``dp_mesh_dims=DataParallelMeshDims(shard="dp")``, ours and FSDP2's side by side:
 placements and bytes, losses and parameters after AdamW steps, and a DCP round trip.
-The same job runs HSDP through ``dp_mesh_dims=DataParallelMeshDims(shard=...,
-replicate=...)`` on a mesh whose dims come in the other order, ``(shard, replicate)``:
-the data-parallel mesh must still be ``(replicate, shard)``, as FSDP2 builds it.
+The same job runs HSDP through ``dp_mesh_dims=DataParallelMeshDims(shard="dp",
+replicate="rep")`` on a mesh in each dim order, ``(rep, dp)`` and ``(dp, rep)``: the
+data-parallel mesh must be ``(replicate, shard)`` either way, as FSDP2 builds it, so
+swapping the shard and replicate dims fails one order or the other.
 """
 
 from __future__ import annotations
@@ -51,14 +52,14 @@ pytestmark = pytest.mark.skipif(
 def _model(torch_api: bool, mesh: DeviceMesh, flat: bool = False, hsdp: bool = False) -> nn.Module:
     """The MLP stack on ``mesh``: split on ``tp``, or (``flat``, ``hsdp``) replicated on both dims.
 
-    ``hsdp``: on a ``(shard, replicate)`` mesh, sharded over one dim, replicated over the other.
+    ``hsdp``: on a mesh of dims ``dp`` and ``rep``, sharded over ``dp``, replicated over ``rep``.
     """
     from torch.distributed.fsdp import DataParallelMeshDims
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     shard: Any = torch_fully_shard if torch_api else fully_shard
     if hsdp:
-        dims = DataParallelMeshDims(shard="shard", replicate="replicate")
+        dims = DataParallelMeshDims(shard="dp", replicate="rep")
     else:
         dims = DataParallelMeshDims(shard=("dp", "tp") if flat else "dp")
     model = mlp_stack(FEATURES, HIDDEN)
@@ -92,9 +93,13 @@ def _flattened(mesh: DeviceMesh) -> Results:
     return results
 
 
-def _hsdp() -> Results:
-    """HSDP through ``dp_mesh_dims`` on a 2 x 2 mesh named ``(shard, replicate)``."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate"))
+#: The HSDP meshes' dim orders: the replicate dim first, as FSDP2's own HSDP mesh, and last.
+HSDP_ORDERS = (("rep", "dp"), ("dp", "rep"))
+
+
+def _hsdp(order: tuple[str, str]) -> Results:
+    """HSDP through ``dp_mesh_dims`` on a 2 x 2 mesh whose dims are named ``order``."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=order)
     models = [_model(False, mesh, hsdp=True), _model(True, mesh, hsdp=True)]
     return _train(models, mesh, hsdp=True)
 
@@ -152,7 +157,7 @@ def _job(rank: int, world_size: int, directory: str) -> Results:
     set_model_state_dict(ours, state)
     results["dcp_gap"] = largest_gap(full_parameters(ours), saved)
     results["flattened"] = _flattened(mesh)
-    results["hsdp"] = _hsdp()
+    results["hsdp"] = {order: _hsdp(order) for order in HSDP_ORDERS}
     return results
 
 
@@ -197,13 +202,16 @@ def test_dp_mesh_dims_flattens_several_shard_dims_as_torch_fully_shard(
         assert flattened["parameter_gap"] <= TOLERANCE
 
 
-def test_dp_mesh_dims_hsdp_on_a_mesh_in_the_other_order_trains_as_torch_fully_shard(
-    ranks: list[Results],
+@pytest.mark.parametrize("order", HSDP_ORDERS, ids=lambda order: f"({order[0]}, {order[1]})")
+def test_dp_mesh_dims_hsdp_on_a_mesh_in_either_order_trains_as_torch_fully_shard(
+    ranks: list[Results], order: tuple[str, str]
 ) -> None:
+    """Sharded over ``dp`` and replicated over ``rep`` whichever comes first, as FSDP2."""
+    expected = "(Replicate(), Shard(dim=0))" if order[0] == "rep" else "(Shard(dim=0), Replicate())"
     for results in ranks:
-        hsdp = results["hsdp"]
+        hsdp = results["hsdp"][order]
         mine, theirs = hsdp["layout"]
         assert mine == theirs
-        assert {placements for placements, _ in mine} == {"(Shard(dim=0), Replicate())"}
+        assert {placements for placements, _ in mine} == {expected}
         assert all(abs(a - b) <= TOLERANCE for a, b in hsdp["losses"])
         assert hsdp["parameter_gap"] <= TOLERANCE

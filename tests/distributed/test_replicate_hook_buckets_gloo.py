@@ -10,7 +10,10 @@ backward launches (ours from the record, DDP's from its reducer after the
 forward, where it rebuilds them) are the same. The model is a few MiB, so the
 default cap's 1 MiB bucket and a given cap of 1.5 MiB both split it; a
 synchronizing backward follows a ``no_sync`` one, and the numbers after every
-step are DDP's too.
+step are DDP's too. A second model holds parameters no forward uses (one layer
+defined between used ones, one after them), under ``static_graph`` and
+``find_unused_parameters``: DDP's rebuild puts them after those that arrived, in
+the order they are defined, and ours must too.
 """
 
 from __future__ import annotations
@@ -79,9 +82,18 @@ class Net(nn.Module):
         return out
 
 
-def _net() -> Net:
+class NetWithUnused(Net):
+    """Net with two layers no forward uses: one defined between used ones, one last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spare = nn.Linear(WIDTH, WIDTH)
+        self.tail = nn.Linear(WIDTH, 8)
+
+
+def _net(unused: bool = False) -> Net:
     torch.manual_seed(0)
-    return Net()
+    return NetWithUnused() if unused else Net()
 
 
 #: The caps: DDP's default, one given (1.5 MiB), and a list (where DDP takes one).
@@ -93,7 +105,10 @@ if "bucket_cap_mb_list" in DDP_KEYWORDS:  # DDP 2.13 on; ours refuses it elsewhe
     CAPS["bucket_cap_mb_list"] = {"bucket_cap_mb_list": [0.5, 1.5]}
 
 
-def _keywords(combination: tuple[bool, bool, str, bool]) -> dict[str, Any]:
+Combination = tuple[bool, bool, str, bool]
+
+
+def _keywords(combination: Combination) -> dict[str, Any]:
     static_graph, find_unused, cap, views = combination
     return {
         "static_graph": static_graph,
@@ -106,7 +121,16 @@ def _keywords(combination: tuple[bool, bool, str, bool]) -> dict[str, Any]:
 COMBINATIONS: Final = list(itertools.product((False, True), (False, True), CAPS, (False, True)))
 
 
-def _name(combination: tuple[bool, bool, str, bool]) -> str:
+#: With parameters never used: a static graph or find_unused_parameters (DDP refuses the
+#: model otherwise), every cap.
+UNUSED_COMBINATIONS: Final = [
+    (static_graph, find_unused, cap, False)
+    for static_graph, find_unused in ((True, False), (True, True), (False, True))
+    for cap in CAPS
+]
+
+
+def _name(combination: Combination) -> str:
     static_graph, find_unused, cap, views = combination
     return (
         f"static_graph={static_graph}, find_unused_parameters={find_unused}, {cap}, "
@@ -160,10 +184,10 @@ class Outcome:
 
 
 def _ours(
-    keywords: dict[str, Any], rank: int, with_hook: bool
+    keywords: dict[str, Any], rank: int, with_hook: bool, unused: bool
 ) -> tuple[list[list[tuple[str, ...]]], list[float], list[list[Seen]]]:
     """Our side: the buckets each backward launched, the parameters, what the hook saw."""
-    mine = replicate(_net(), **keywords)
+    mine = replicate(_net(unused), **keywords)
     assert isinstance(mine, ReplicateModule)
     hook = Recorder(mine) if with_hook else None
     if hook is not None:
@@ -179,10 +203,10 @@ def _ours(
 
 
 def _theirs(
-    keywords: dict[str, Any], rank: int, with_hook: bool
+    keywords: dict[str, Any], rank: int, with_hook: bool, unused: bool
 ) -> tuple[list[list[tuple[str, ...]]], list[float], list[list[Seen]]]:
     """DDP's side, the same."""
-    raw = _net()
+    raw = _net(unused)
     ddp = DistributedDataParallel(raw, **keywords)
     hook = Recorder(raw) if with_hook else None
     if hook is not None:
@@ -198,12 +222,12 @@ def _gap(first: list[float], second: list[float]) -> float:
     return max(abs(a - b) for a, b in zip(first, second, strict=True))
 
 
-def _combination(combination: tuple[bool, bool, str, bool], rank: int) -> Outcome:
+def _combination(combination: Combination, rank: int, unused: bool = False) -> Outcome:
     keywords = _keywords(combination)
-    ours_launched, ours_parameters, _ = _ours(keywords, rank, with_hook=False)
-    theirs_launched, theirs_parameters, _ = _theirs(keywords, rank, with_hook=False)
-    hooked_launched, hooked_parameters, ours_seen = _ours(keywords, rank, with_hook=True)
-    _, theirs_hooked_parameters, theirs_seen = _theirs(keywords, rank, with_hook=True)
+    ours_launched, ours_parameters, _ = _ours(keywords, rank, False, unused)
+    theirs_launched, theirs_parameters, _ = _theirs(keywords, rank, False, unused)
+    hooked_launched, hooked_parameters, ours_seen = _ours(keywords, rank, True, unused)
+    _, theirs_hooked_parameters, theirs_seen = _theirs(keywords, rank, True, unused)
     return Outcome(
         ours_seen,
         theirs_seen,
@@ -218,15 +242,20 @@ def _combination(combination: tuple[bool, bool, str, bool], rank: int) -> Outcom
 
 
 def _job(rank: int, world_size: int) -> dict[str, Outcome]:
-    return {_name(combination): _combination(combination, rank) for combination in COMBINATIONS}
+    outcomes = {_name(combination): _combination(combination, rank) for combination in COMBINATIONS}
+    for combination in UNUSED_COMBINATIONS:
+        outcomes["unused, " + _name(combination)] = _combination(combination, rank, unused=True)
+    return outcomes
 
 
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Outcome]]:
-    return run_distributed(_job, 2, timeout=240)
+    return run_distributed(_job, 2, timeout=300)
 
 
-NAMES: Final = [_name(combination) for combination in COMBINATIONS]
+NAMES: Final = [_name(combination) for combination in COMBINATIONS] + [
+    "unused, " + _name(combination) for combination in UNUSED_COMBINATIONS
+]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -274,3 +303,14 @@ def test_the_default_cap_gives_a_one_mib_bucket_and_a_given_cap_holds(
         # find_unused_parameters=False: one bucket, then rebuilt at the cap in arrival order.
         assert len(capped.theirs_seen[0]) == 1
         assert len(capped.theirs_seen[1]) >= 2
+
+
+def test_a_static_graph_rebuild_puts_the_unused_parameters_last_in_definition_order(
+    results: list[dict[str, Outcome]],
+) -> None:
+    """The case the comparisons above rest on: DDP's rebuilt buckets hold the unused ones."""
+    for by_name in results:
+        static = by_name["unused, " + _name((True, False, "default cap", False))]
+        names = [name for bucket in static.theirs_launched[-1] for name in bucket]
+        unused = ["spare.weight", "spare.bias", "tail.weight", "tail.bias"]
+        assert [name for name in names if name in unused] == unused

@@ -9,11 +9,14 @@ with the same keywords. Without unused parameters found, a parameter that goes
 unused raises DDP's error at the same moment (the next forward), leaving the
 same gradients. With ``gradient_as_bucket_view`` the gradients live in the
 bucket buffers, as DDP's (one storage per bucket), and a parameter no rank used
-keeps no gradient, as DDP's.
+keeps no gradient, as DDP's. DDP's buffer keywords (``broadcast_buffers``, deprecated
+from torch 2.13, and ``forward_sync_buffers``, which replaces it) on a model whose
+buffers differ by rank: the buffers after apply and after each step equal DDP's.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
@@ -158,6 +161,59 @@ def _storages(model: nn.Module, raw: Net, rank: int, views: bool) -> tuple[int, 
     return len(storages), sum(storages.values())
 
 
+class BufferNet(nn.Module):
+    """A batch norm between two layers: running statistics that differ by rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.head(self.norm(self.first(x)))
+        return out
+
+
+#: DDP's buffer keywords, by name; each where this torch's DDP takes it.
+BUFFER_CASES: Final[dict[str, dict[str, Any]]] = {
+    "no buffer keyword": {},
+    "broadcast_buffers=True": {"broadcast_buffers": True},
+    "broadcast_buffers=False": {"broadcast_buffers": False},
+}
+if "forward_sync_buffers" in _compat.DDP_KEYWORDS:  # DDP 2.13 on; ours refuses it elsewhere
+    BUFFER_CASES["broadcast_buffers=None"] = {"broadcast_buffers": None}
+    BUFFER_CASES["forward_sync_buffers=True"] = {"forward_sync_buffers": True}
+    BUFFER_CASES["forward_sync_buffers=False"] = {"forward_sync_buffers": False}
+    BUFFER_CASES["both, forward_sync_buffers wins"] = {
+        "broadcast_buffers": True,
+        "forward_sync_buffers": False,
+    }
+
+
+def _buffers(raw: nn.Module) -> list[float]:
+    return torch.cat([buffer.detach().double().flatten() for buffer in raw.buffers()]).tolist()
+
+
+def _buffer_history(keywords: dict[str, Any], rank: int, theirs: bool) -> list[list[float]]:
+    """The buffers after apply and after each of two steps, ours or DDP's."""
+    torch.manual_seed(0)
+    raw = BufferNet()
+    with torch.no_grad():
+        for buffer in raw.norm.buffers():
+            if buffer.is_floating_point():
+                buffer.fill_(float(rank))  # differ by rank at apply
+    with warnings.catch_warnings():  # the deprecation: tests/test_replicate_ddp_keywords.py
+        warnings.simplefilter("ignore", FutureWarning)
+        model = DistributedDataParallel(raw, **keywords) if theirs else replicate(raw, **keywords)
+    history = [_buffers(raw)]
+    for step in range(2):
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(10 * rank + step))
+        model(x).pow(2).mean().backward()
+        history.append(_buffers(raw))
+    return history
+
+
 @attrs.frozen
 class Report:
     gaps: dict[str, float]
@@ -170,6 +226,8 @@ class Report:
     #: With views and ``side`` unused: every gradient (or None), then every parameter.
     ours_unused_views: list[list[float] | None]
     theirs_unused_views: list[list[float] | None]
+    #: By buffer case: the buffers after apply and each step, ours then DDP's.
+    buffers: dict[str, tuple[list[list[float]], list[list[float]]]]
 
 
 def _job(rank: int, world_size: int) -> Report:
@@ -195,6 +253,10 @@ def _job(rank: int, world_size: int) -> Report:
         _storages(plain, plain, rank, False),
         _unused_grads_with_views(unused_views, unused_views, rank),
         _unused_grads_with_views(unused_ddp, unused_raw, rank),
+        {
+            name: (_buffer_history(keywords, rank, False), _buffer_history(keywords, rank, True))
+            for name, keywords in BUFFER_CASES.items()
+        },
     )
 
 
@@ -267,3 +329,23 @@ def test_a_parameter_no_rank_used_keeps_no_gradient_with_bucket_views_as_ddps(
         for a, b in zip(ours, theirs, strict=True):
             if a is not None and b is not None:
                 assert a == b
+
+
+@pytest.mark.parametrize("name", list(BUFFER_CASES))
+def test_buffers_after_apply_and_each_step_equal_ddps_with_the_same_buffer_keywords(
+    results: list[Report], name: str
+) -> None:
+    for report in results:
+        ours, theirs = report.buffers[name]
+        assert len(ours) == len(theirs) == 3
+        for moment, (mine, its) in enumerate(zip(ours, theirs, strict=True)):
+            assert max(abs(a - b) for a, b in zip(mine, its, strict=True)) <= 1e-6, moment
+
+
+def test_broadcast_buffers_false_keeps_rank_local_buffers_at_apply(results: list[Report]) -> None:
+    """What the comparison above rests on: rank 1's buffers stay its own, or become rank 0's."""
+    at_apply = results[1].buffers["broadcast_buffers=False"][0][0]
+    assert at_apply[:8] == [1.0] * 8
+    if "forward_sync_buffers=False" in BUFFER_CASES:
+        # forward_sync_buffers=False still copies rank 0's buffers at apply, as DDP.
+        assert results[1].buffers["forward_sync_buffers=False"][0][0][:8] == [0.0] * 8

@@ -44,7 +44,9 @@ assert issubclass(ModelMismatchError, RuntimeError)
 
 replicate(model, broadcast_buffer=False)  # type: ignore[call-arg]
 replicate(model, bucket_cap_mb="25")  # type: ignore[arg-type]
-replicate(model, dist.group.WORLD)  # type: ignore[call-arg]
+replicate(model, dist.group.WORLD)  # type: ignore[arg-type]
+replicate(model, [0], None, 0, True, dist.group.WORLD)  # type: ignore[call-arg, arg-type]
+replicate(model, [0], 0, 0, None, init_sync=True)
 checkpoint(model, reentrant=True)  # type: ignore[call-arg]
 checkpoint(model, use_reentrant="False")  # type: ignore[arg-type]
 rank_local([model])  # type: ignore[arg-type]

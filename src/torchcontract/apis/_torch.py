@@ -12,7 +12,9 @@ from contextlib import AbstractContextManager
 from typing import Any, Final, ParamSpec, TypeVar, cast
 
 import torch
+import torch._utils
 import torch.distributed as dist
+import torch.distributed.utils
 from torch import Tensor, nn
 from torch.distributed.algorithms.join import _JoinConfig
 from torch.utils import checkpoint as torch_checkpoint
@@ -298,3 +300,35 @@ def register_load_state_dict_post_hook(
     """Call ``hook(module, incompatible_keys)`` after ``load_state_dict`` wrote ``module``."""
     register = cast(_RegisterHook, module.register_load_state_dict_post_hook)
     return register(hook)
+
+
+_device_index: Final = cast(Callable[[object, bool], int], torch._utils._get_device_index)
+
+
+def device_index(device: object) -> int:
+    """The index of ``device`` (an int, a string or a ``torch.device``), as DDP reads it.
+
+    ``torch._utils._get_device_index(device, True)``: a CUDA device without an index
+    is the current one; raises ``ValueError`` for what is not a device.
+    """
+    return _device_index(device, True)
+
+
+_to_kwargs: Final = cast(
+    Callable[
+        [tuple[Any, ...], dict[str, Any] | None, torch.device, bool],
+        tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]],
+    ],
+    torch.distributed.utils._to_kwargs,
+)
+
+
+def inputs_to(
+    args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device, side_stream: bool
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` and ``kwargs`` with every tensor in them copied to ``device``, as DDP's forward.
+
+    DDP's own ``_to_kwargs``; ``side_stream`` copies on a side stream of the device.
+    """
+    moved_args, moved_kwargs = _to_kwargs(args, kwargs, device, side_stream)
+    return (moved_args[0] if moved_args else ()), (moved_kwargs[0] if moved_kwargs else {})

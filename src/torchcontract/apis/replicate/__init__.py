@@ -9,13 +9,16 @@ output; ``_same_model`` checks at apply that every rank holds the same model;
 ``_module`` the class the module becomes (``ReplicateModule``: DDP's methods),
 ``_join`` its Join hook, ``_comm_hook`` the communication-hook contract,
 ``_manager_hook`` a hook that averages through torchft's ``Manager``;
-``_api`` holds the API, its gradient-sync switch, which
+``_devices`` DDP's ``device_ids`` and ``output_device``, ``_keywords`` its
+keywords that decide no bucket; ``_api`` holds the API, its gradient-sync switch, which
 ``torchcontract.apis.no_sync`` calls, and ``rank_local``.
 """
 
 from __future__ import annotations
 
 from ._api import rank_local, replicate
+from ._devices import InvalidKeywordError
+from ._keywords import KeywordNotInThisTorchError, UnsupportedKeywordError
 from ._manager_hook import AllReduceManager, manager_allreduce_hook
 from ._module import ReplicateModule
 from ._same_model import ModelMismatchError
@@ -23,9 +26,12 @@ from ._state import ReplicateState
 
 __all__ = [
     "AllReduceManager",
+    "InvalidKeywordError",
+    "KeywordNotInThisTorchError",
     "ModelMismatchError",
     "ReplicateModule",
     "ReplicateState",
+    "UnsupportedKeywordError",
     "manager_allreduce_hook",
     "rank_local",
     "replicate",

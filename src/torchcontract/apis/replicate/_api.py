@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchcontract import (
     ContractError,
     Incompatible,
+    InvalidMeshError,
     InvalidTargetError,
     NoProcessGroupError,
     RegistryEntry,
@@ -27,12 +28,19 @@ from torchcontract import (
     on_rollback,
 )
 
-from .. import _compat, _torch
+from .. import _torch
 from .._swapped_class import restore_class
 from ..checkpoint import checkpoint, describe_value, require_bool, require_one_module
 from ._autograd_hooks import ParameterHook
 from ._buckets import broadcast_from_first_rank
+from ._devices import InvalidKeywordError, MoveInputs, devices
 from ._forward import after_forward, before_forward
+from ._keywords import (
+    buffer_sync,
+    refuse_unsupported,
+    require_ddp_keyword,
+    warn_check_reduction,
+)
 from ._module import replicate_class, sync_switch
 from ._reducer import Reducer
 from ._same_model import check_same_model
@@ -160,22 +168,12 @@ def _refuse_sync_batch_norm_on_cpu(module: nn.Module) -> None:
             )
 
 
-def _require_ddp_keyword(module: nn.Module, keyword: str, given: bool) -> None:
-    """Refuse a keyword of DDP's that this torch's DDP does not take, with a TypeError."""
-    if given and keyword not in _compat.DDP_KEYWORDS:
-        raise TypeError(
-            f"replicate on {module_label(module)}: {keyword}= is a keyword of a newer "
-            f"DistributedDataParallel than torch {torch.__version__}'s, which replicate "
-            "follows; upgrade torch, or leave it out"
-        )
-
-
 def _mesh_group(module: nn.Module, process_group: object, device_mesh: object) -> object:
     """The group named by ``device_mesh`` (1-D), or ``process_group``; not both, as DDP."""
     if device_mesh is None:
         return process_group
     if process_group is not None:
-        raise ValueError(
+        raise InvalidMeshError(
             f"replicate on {module_label(module)}: pass process_group or device_mesh, not both "
             "(DistributedDataParallel refuses both too)"
         )
@@ -185,7 +183,7 @@ def _mesh_group(module: nn.Module, process_group: object, device_mesh: object) -
             f"got {describe_value(device_mesh)}"
         )
     if device_mesh.ndim != 1:
-        raise ValueError(
+        raise InvalidMeshError(
             f"replicate on {module_label(module)}: device_mesh must be 1-D (as "
             f"DistributedDataParallel's), got {device_mesh.ndim} dims; pass "
             'mesh["dp"], a 1-D slice'
@@ -224,6 +222,32 @@ def _cap_list_bytes(module: nn.Module, bucket_cap_mb_list: object) -> tuple[int,
     return tuple(_bucket_cap_bytes(module, cap) for cap in caps)
 
 
+def _refuse_unimplemented(
+    module: nn.Module, delayed: object, hook_parameter: object, mixed_precision: object
+) -> None:
+    """DDP's keywords replicate does not implement, refused where given (their pair first,
+    checked as DDP checks it)."""
+    if (delayed is None) != (hook_parameter is None):
+        raise InvalidKeywordError(
+            f"replicate on {module_label(module)}: delay_all_reduce_named_params and "
+            "param_to_hook_all_reduce go together (DistributedDataParallel refuses one "
+            "alone too); leave both None"
+        )
+    refuse_unsupported(
+        module,
+        "delay_all_reduce_named_params",
+        delayed is not None,
+        "param_to_hook_all_reduce= neither: leave both None (every gradient is averaged "
+        "in backward)",
+    )
+    refuse_unsupported(
+        module,
+        "mixed_precision",
+        mixed_precision is not None,
+        "leave it None, and cast the model (or use torch.autocast) yourself",
+    )
+
+
 def _require_trainable(module: nn.Module, named: list[tuple[str, nn.Parameter]]) -> None:
     if not named:
         raise InvalidTargetError(
@@ -244,16 +268,26 @@ def _require_trainable(module: nn.Module, named: list[tuple[str, nn.Parameter]])
 @exported_from("torchcontract.apis.replicate")
 def replicate(
     module: nn.Module,
+    device_ids: Sequence[int | torch.device] | None = None,
+    output_device: int | torch.device | None = None,
+    dim: int = 0,
+    broadcast_buffers: bool | None = None,
     *,
+    init_sync: bool = True,
     process_group: dist.ProcessGroup | None = None,
     bucket_cap_mb: float | None = None,
-    broadcast_buffers: bool = True,
     find_unused_parameters: bool = False,
-    static_graph: bool = False,
+    check_reduction: bool = False,
     gradient_as_bucket_view: bool = False,
-    init_sync: bool = True,
+    static_graph: bool = False,
+    delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
+    param_to_hook_all_reduce: nn.Parameter | None = None,
+    mixed_precision: None = None,
     device_mesh: DeviceMesh | None = None,
+    skip_all_reduce_unused_params: bool = False,
     bucket_cap_mb_list: Sequence[float] | None = None,
+    batched_grad_copy: bool = False,
+    forward_sync_buffers: bool | None = None,
 ) -> None:
     """Average ``module``'s gradients over ``process_group`` (default: the world) in backward.
 
@@ -274,8 +308,29 @@ def replicate(
     buffer, in order): where they differ, every rank raises ``ModelMismatchError``
     naming the first difference; none is left waiting.
 
+    The keywords are ``DistributedDataParallel.__init__``'s, in its order, with its
+    defaults (the first four positional too, as DDP's; the rest keyword-only, as
+    their positions differ between torch releases). One that the installed torch's
+    DDP lacks is refused with a ``TypeError``, as DDP refuses it, where given another
+    value than its default.
+
     Args:
         module: The model (one module; a list is refused).
+        device_ids: As DDP's: None (or empty) for a CPU module or one on several
+            devices; for a module on one accelerator device, a list of that one
+            device (``[local_rank]``), where each forward's inputs are then copied
+            first, as DDP's forward does. Nothing is moved at apply.
+        output_device: As DDP's: checked as DDP checks it and kept (default
+            ``device_ids[0]``); as in DDP's forward, no output is moved.
+        dim: As DDP's; only DDP's multi-device scatter, which neither has any
+            more, reads it.
+        broadcast_buffers: Deprecated in DDP from torch 2.13 (a ``FutureWarning``
+            there), in favour of ``forward_sync_buffers``. False: buffers are not
+            copied from rank 0, neither at apply nor before forwards. None (the
+            default) or True: they are, unless ``forward_sync_buffers`` says.
+        init_sync: As DDP's: False skips the check that every rank holds the same
+            model and the copy of rank 0's parameters and buffers (the ranks must
+            then hold the same values already).
         process_group: The group gradients are averaged over; the default group if
             None.
         bucket_cap_mb: The MiB of gradients reduced in one collective, as DDP
@@ -284,8 +339,6 @@ def replicate(
             (launched last; after a rebuild, the first launched) is capped at
             1 MiB, as DDP's; a cap given holds for every bucket. The buckets are
             DDP's in every backward, with a communication hook or without.
-        broadcast_buffers: Copy rank 0's buffers to every rank before each forward
-            that follows a synchronizing one, as DDP does.
         find_unused_parameters: As DDP's. False (the default, as DDP's) expects
             every parameter to get a gradient in every synchronizing backward and
             keeps no bookkeeping of which were used; the buckets start as one per
@@ -305,15 +358,23 @@ def replicate(
             accumulates into it in place (with ``zero_grad(set_to_none=False)``;
             ``set_to_none=True`` frees the views and the next backward allocates
             new gradients, copied in once more).
-        init_sync: As DDP's: False skips the check that every rank holds the same
-            model and the copy of rank 0's parameters and buffers (the ranks must
-            then hold the same values already).
+        delay_all_reduce_named_params: Not implemented: None only (one of it and
+            ``param_to_hook_all_reduce`` without the other is DDP's ``ValueError``).
+        param_to_hook_all_reduce: Not implemented: None only.
+        mixed_precision: Not implemented: None only.
         device_mesh: A 1-D ``DeviceMesh`` whose group gradients are averaged
             over, instead of ``process_group`` (not both), as DDP's.
         bucket_cap_mb_list: As DDP's (torch 2.13 on; refused with a ``TypeError``
             where this torch's DDP lacks it): the cap of each bucket in turn, the
             last repeated; ``bucket_cap_mb`` is then ignored, and the caps are
             DDP's.
+        skip_all_reduce_unused_params: Not implemented: False only.
+        batched_grad_copy: As DDP's, a choice of how gradients are copied into
+            the buckets: taken, and the numbers are the same either way.
+        forward_sync_buffers: As DDP's (torch 2.13 on): whether rank 0's buffers
+            are copied to every rank before each forward that follows a
+            synchronizing one (and at the end of ``join``); None is True. Rank 0's
+            buffers are copied at apply either way (``init_sync`` decides).
 
     The module becomes an instance of ``Replicate<Class>``, a subclass of its class
     and of ``ReplicateModule``, which carries ``DistributedDataParallel``'s methods
@@ -331,6 +392,15 @@ def replicate(
         ModelMismatchError: The ranks hold different models (raised on every rank).
         InvalidTargetError: ``module`` has no parameter that requires a gradient, or
             is a list.
+        InvalidKeywordError: A ``ValueError`` where DDP raises one: ``device_ids``
+            or ``output_device`` names a device for a CPU module or one on several
+            devices, ``device_ids`` holds more than one, the parameters are on
+            several device types, or only one of ``delay_all_reduce_named_params``
+            and ``param_to_hook_all_reduce`` is given.
+        UnsupportedKeywordError: A ``NotImplementedError``: one of the keywords
+            marked not implemented above is given.
+        KeywordNotInThisTorchError: A ``TypeError``: the keyword is one of a newer
+            DDP than the installed torch's.
         ValueError: ``bucket_cap_mb`` is not positive and finite; this rank is not
             in ``process_group``, or it was destroyed;
             the module holds a ``SyncBatchNorm`` on CPU (as DDP, which needs a GPU
@@ -340,24 +410,41 @@ def replicate(
         IncompatibleAPIError: A rule forbids the combination (see above).
     """
     require_one_module("replicate", module)
+    _refuse_unimplemented(
+        module, delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision
+    )
     _refuse_sync_batch_norm_on_cpu(module)
-    _require_ddp_keyword(module, "bucket_cap_mb_list", bucket_cap_mb_list is not None)
+    require_ddp_keyword(module, "bucket_cap_mb_list", bucket_cap_mb_list is not None)
     cap_list = _cap_list_bytes(module, bucket_cap_mb_list)
     cap_bytes = max(cap_list) if cap_list else _bucket_cap_bytes(module, bucket_cap_mb)
-    require_bool("replicate", module, "broadcast_buffers", broadcast_buffers)
-    require_bool("replicate", module, "find_unused_parameters", find_unused_parameters)
-    require_bool("replicate", module, "static_graph", static_graph)
-    require_bool("replicate", module, "gradient_as_bucket_view", gradient_as_bucket_view)
-    require_bool("replicate", module, "init_sync", init_sync)
-    _require_ddp_keyword(module, "init_sync", init_sync is not True)
-    _require_ddp_keyword(module, "device_mesh", device_mesh is not None)
+    for name, flag in (
+        ("find_unused_parameters", find_unused_parameters),
+        ("static_graph", static_graph),
+        ("gradient_as_bucket_view", gradient_as_bucket_view),
+        ("init_sync", init_sync),
+        ("skip_all_reduce_unused_params", skip_all_reduce_unused_params),
+        ("batched_grad_copy", batched_grad_copy),
+    ):
+        require_bool("replicate", module, name, flag)
+    require_ddp_keyword(module, "init_sync", init_sync is not True)
+    require_ddp_keyword(module, "device_mesh", device_mesh is not None)
+    require_ddp_keyword(module, "batched_grad_copy", batched_grad_copy is not False)
+    refuse_unsupported(
+        module,
+        "skip_all_reduce_unused_params",
+        skip_all_reduce_unused_params is not False,
+        "leave it False (unused parameters are then averaged, as DDP's default)",
+    )
+    buffers = buffer_sync(module, broadcast_buffers, forward_sync_buffers)
     group = _group(module, _mesh_group(module, process_group, device_mesh))
-    if group.size() > 1 and init_sync:
-        check_same_model(module, group)
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     _require_trainable(module, named)
+    placed = devices(module, [p for _, p in module.named_parameters()], device_ids, output_device)
+    warn_check_reduction(module, check_reduction)
     if group.size() > 1 and init_sync:
-        broadcast_from_first_rank([*module.parameters(), *module.buffers()], group, cap_bytes)
+        check_same_model(module, group)
+        synced = [*module.parameters(), *(module.buffers() if buffers.at_apply else ())]
+        broadcast_from_first_rank(synced, group, cap_bytes)
     reducer = Reducer(
         module,
         replicate.application(module),
@@ -376,6 +463,8 @@ def replicate(
         _torch.register_post_accumulate_grad_hook(parameter, ParameterHook(reducer, index))
     hooks = _ForwardHooks(reducer)
     module.register_forward_pre_hook(hooks.before)
+    if placed.input_device is not None:
+        module.register_forward_pre_hook(MoveInputs(reducer, placed.input_device), with_kwargs=True)
     module.register_forward_hook(hooks.after)
     on_rollback(_Undo(module, reducer))
     module.__class__ = replicate_class(type(module))
@@ -385,7 +474,7 @@ def replicate(
             record,
             process_group=group,
             buckets=reducer.bucket_names,
-            broadcast_buffers=broadcast_buffers,
+            broadcast_buffers=buffers.forward,
         ),
     )
 

@@ -47,11 +47,11 @@ def limits(cap_list: tuple[int, ...], default_cap: bool, cap_bytes: int) -> tupl
 def rebuild_order(arrival: Sequence[int], count: int, group: dist.ProcessGroup) -> list[int]:
     """The first rank's arrival order, on every rank (a collective where the group has more).
 
-    Parameters that did not arrive (a static graph's unused ones) come last, the
-    last defined first.
+    Parameters that did not arrive (a static graph's unused ones) come last, in the
+    order they are defined, as DDP's reducer appends them.
     """
     arrived = set(arrival)
-    order = [*arrival] + [i for i in reversed(range(count)) if i not in arrived]
+    order = [*arrival] + [i for i in range(count) if i not in arrived]
     shared = torch.tensor(order, dtype=torch.int64)  # the first rank's, on every rank
     if group.size() > 1:
         _torch.broadcast(shared, 0, group)
