@@ -280,16 +280,6 @@ DIFFERENCES: Final = (
     ),
     Difference(
         "replicate",
-        "`broadcast_buffers`'s default",
-        "`True`",
-        "`None` where DDP takes `forward_sync_buffers` (torch 2.13 and later): deprecated, and "
-        "`True` unless `forward_sync_buffers` is given; `True` before",
-        "The same buffers are broadcast. `forward_sync_buffers` is not taken: pass "
-        "`broadcast_buffers=False` to stop the broadcast before each forward.",
-        "probe:broadcast_buffers_default",
-    ),
-    Difference(
-        "replicate",
         "A module with no parameter that requires a gradient",
         "refused",
         "refused with a `RuntimeError`",

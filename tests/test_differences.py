@@ -226,15 +226,8 @@ def _default(function: Callable[..., object], keyword: str) -> object:
     return inspect.signature(function).parameters[keyword].default
 
 
-def _broadcast_buffers_default() -> None:
-    assert _default(replicate, "broadcast_buffers") is True
-    sync = inspect.signature(DistributedDataParallel).parameters.get("forward_sync_buffers")
-    assert _default(DistributedDataParallel, "broadcast_buffers") is (None if sync else True)
-
-
 PROBES: dict[str, Probe] = {
     "accelerator_methods": _accelerator_methods,
-    "broadcast_buffers_default": _broadcast_buffers_default,
     "deepcopy_of_a_sharded_module": _deepcopy_of_a_sharded_module,
     "module_sharded_after_its_parent": _module_sharded_after_its_parent,
     "no_trainable_parameter": _no_trainable_parameter,
