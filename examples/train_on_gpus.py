@@ -51,7 +51,7 @@ def parallelize(model: nn.Sequential, api: str, device: torch.device) -> nn.Sequ
     if api == "replicate":
         if device.type == "cuda":
             # As DDP on a GPU: the one device this process's model and inputs are on.
-            return replicate(model, device_ids=[device.index])  # type: ignore[call-arg]
+            return replicate(model, device_ids=[device.index])
         return replicate(model)
     raise SystemExit(f"usage: train_on_gpus.py fully_shard|replicate (got {api!r})")
 
