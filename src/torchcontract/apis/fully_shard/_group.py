@@ -39,7 +39,8 @@ from torch import Tensor, nn
 from torchcontract import UnmaterializedParameterError, module_label
 
 from .. import _torch
-from ._collectives import PendingGather, reduce_scatter, start_all_gather
+from ._collectives import PendingGather, reduce_scatter
+from ._extended_gather import detect, start_gather
 from ._sharding import ManagedParameter
 from ._state import FullyShardState
 
@@ -171,6 +172,8 @@ class ParamGroup:
         self.post_forward_indices: list[int] = []
         # HSDP with requires_all_reduce off: reduce-scattered shards awaiting the all-reduce.
         self.deferred: dict[int, Tensor] = {}
+        # Whether a shard defines FSDP2's all-gather extension hooks (found at lazy init).
+        self.extended = False
 
     def modules(self) -> list[nn.Module]:
         """The group's modules that are still alive."""
@@ -234,6 +237,7 @@ class ParamGroup:
         where = module_label(modules[0]) if modules else "a freed module"
         for parameter in self.parameters:
             parameter.adopt_replaced(where)
+        self.extended = detect(self.parameters, f"fully_shard on {where}")
 
     def unshard(self) -> None:
         """All-gather the parameters and register the unsharded ones (no-op if unsharded).
@@ -254,12 +258,20 @@ class ParamGroup:
 
     def _start_gather(self, *, async_op: bool) -> PendingGather:
         """The all-gather of the shards, or after a post-forward reshard of what was kept."""
+        record = self.record() or FullyShardState()
+        group, post_forward = self.process_group, False
         if self.post_forward and self.post_forward_group is not None:
             self.post_forward = False
-            return start_all_gather(
-                self.parameters, self.post_forward_group, async_op=async_op, post_forward=True
-            )
-        return start_all_gather(self.parameters, self.process_group, async_op=async_op)
+            group, post_forward = self.post_forward_group, True
+        return start_gather(
+            self.parameters,
+            group,
+            async_op=async_op,
+            post_forward=post_forward,
+            extended=self.extended,
+            comm=record.all_gather_comm,
+            mp_policy=record.mp_policy,
+        )
 
     def prefetch(self, *, requested: bool = False) -> None:
         """Start the all-gather now, on gloo's threads; ``unshard`` waits for it.
@@ -410,6 +422,7 @@ class ParamGroup:
                 deferred=self.deferred,
                 divide_factor=record.gradient_divide_factor,
                 force_sum=record.force_sum_reduction,
+                comm=record.reduce_scatter_comm,
             )
             self.reduced = True
 
