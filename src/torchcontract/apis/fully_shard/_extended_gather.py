@@ -26,12 +26,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from . import _comms
-from ._collectives import PendingGather, start_all_gather
+from ._collectives import PendingGather
 from ._comms import AllGatherComm
 from ._extension import Extension, defines_hooks
 from ._sharding import ManagedParameter
 
-__all__ = ["ExtendedGather", "detect", "start_gather"]
+__all__ = ["ExtendedGather", "detect", "start_extended_gather"]
 
 
 def detect(parameters: Sequence[ManagedParameter], where: str) -> bool:
@@ -69,25 +69,20 @@ def _shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh[names[-1]]
 
 
-def start_gather(
+def start_extended_gather(
     parameters: Sequence[ManagedParameter],
     group: dist.ProcessGroup,
     *,
     async_op: bool,
     post_forward: bool = False,
-    extended: bool,
     comm: AllGatherComm | None,
     mp_policy: MixedPrecisionPolicy,
 ) -> PendingGather:
-    """Start the all-gather of ``parameters`` over ``group``: extended if a shard has the hooks.
+    """Start the all-gather of ``parameters`` over ``group``, some of which have the hooks.
 
-    ``extended``: what ``detect`` found for the group. Without it this is
-    ``_collectives.start_all_gather``; with it, FSDP2's single collective.
+    FSDP2's single collective of every parameter's inputs; ``mp_policy`` goes to
+    the pre-all-gathers, ``comm`` (``set_custom_all_gather``) runs it if given.
     """
-    if not extended:
-        return start_all_gather(
-            parameters, group, async_op=async_op, post_forward=post_forward, comm=comm
-        )
     inputs = [_inputs(parameter, post_forward, mp_policy) for parameter in parameters]
     flat_inputs = [tensor for each in inputs for tensor in each]
     dtype = flat_inputs[0].dtype

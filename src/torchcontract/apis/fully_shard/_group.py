@@ -39,8 +39,8 @@ from torch import Tensor, nn
 from torchcontract import UnmaterializedParameterError, module_label
 
 from .. import _torch
-from ._collectives import PendingGather, reduce_scatter
-from ._extended_gather import detect, start_gather
+from ._collectives import PendingGather, reduce_scatter, start_all_gather
+from ._extended_gather import detect, start_extended_gather
 from ._sharding import ManagedParameter
 from ._state import FullyShardState
 
@@ -259,16 +259,31 @@ class ParamGroup:
     def _start_gather(self, *, async_op: bool) -> PendingGather:
         """The all-gather of the shards, or after a post-forward reshard of what was kept."""
         record = self.record() or FullyShardState()
+        if self.extended:  # a shard defines FSDP2's all-gather hooks
+            return self._start_extended_gather(record, async_op=async_op)
+        custom = {} if record.all_gather_comm is None else {"comm": record.all_gather_comm}
+        if self.post_forward and self.post_forward_group is not None:
+            self.post_forward = False
+            return start_all_gather(
+                self.parameters,
+                self.post_forward_group,
+                async_op=async_op,
+                post_forward=True,
+                **custom,
+            )
+        return start_all_gather(self.parameters, self.process_group, async_op=async_op, **custom)
+
+    def _start_extended_gather(self, record: FullyShardState, *, async_op: bool) -> PendingGather:
+        """``_start_gather`` for a group where a shard defines the all-gather hooks."""
         group, post_forward = self.process_group, False
         if self.post_forward and self.post_forward_group is not None:
             self.post_forward = False
             group, post_forward = self.post_forward_group, True
-        return start_gather(
+        return start_extended_gather(
             self.parameters,
             group,
             async_op=async_op,
             post_forward=post_forward,
-            extended=self.extended,
             comm=record.all_gather_comm,
             mp_policy=record.mp_policy,
         )

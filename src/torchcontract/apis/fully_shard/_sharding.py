@@ -97,7 +97,18 @@ class ManagedParameter:
         start = min(self.rank * self.chunk_rows, self.rows)
         with torch.no_grad():
             whole = local_tensor(parameter).detach()
-            local = whole.narrow(self.dim, start, self.local_rows).contiguous().clone()
+            # torch.chunk and new_zeros + copy_, as FSDP2 splits and copies: tensor subclasses
+            # implement those (NF4's clone would quantize its data again).
+            chunks = torch.chunk(whole, self.world, dim=self.dim)
+            if self.rank < len(chunks):
+                chunk = chunks[self.rank]
+            else:
+                chunk = whole.narrow(self.dim, start, self.local_rows)
+            if type(chunk) is Tensor:
+                local = chunk.contiguous().clone()
+            else:
+                local = chunk.new_zeros(chunk.shape)
+                local.copy_(chunk)
             sharded = self.layout.sharded(local)
         self.sharded = nn.Parameter(sharded, requires_grad=parameter.requires_grad)
         # FSDP2's post-forward mesh (an int reshard_after_forward): after forward, each
