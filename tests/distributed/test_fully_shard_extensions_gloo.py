@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from torchcontract import AllGatherExtensionError
 from torchcontract.apis import fully_shard
@@ -242,12 +243,50 @@ def _post_forward_mesh(api: str, rank: int, resharding: bool | int) -> Results:
     }
 
 
-def _post_forward_job(rank: int, world: int) -> dict[str, Results]:
+def _tensor_parallel(api: str, rank: int) -> Results:
+    """Hooks on the shards of tensor-parallel weights: a (dp 2, tp 2) mesh."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    seen: list[tuple[int, tuple[int, ...]]] = []
+
+    def pre(self: Tensor, given: Any, size: Any, stride: Any, module: Any, policy: Any) -> Any:  # noqa: PLR0917
+        seen.append((given.size(), tuple(size)))
+        return (self.to(torch.bfloat16),), None
+
+    @torch.no_grad()
+    def post(
+        self: Tensor, outputs: Any, metadata: Any, dtype: torch.dtype, *, out: Any = None
+    ) -> Any:
+        (tensor,) = outputs
+        if out is not None:  # the unsharded parameter: a TP DTensor, as FSDP2 passes it
+            with _unsafe_preserve_version_counter(out):
+                _local(out).copy_(tensor)
+            return None
+        upcast = tensor.to(dtype)
+        return upcast, (tensor, upcast)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(MLP(8), MLP(8))
+    for mlp in model:
+        parallelize_module(
+            mlp, mesh["tp"], {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
+        )
+        APIS[api](mlp, mesh=mesh["dp"])
+    APIS[api](model, mesh=mesh["dp"])
+    for name, parameter in model.named_parameters():
+        if "weight" in name:
+            _set_hooks(parameter, pre, post)
+    losses = _train(model, rank)
+    return {"losses": losses, "full": _full(model), "seen": sorted(set(seen))}
+
+
+def _four_rank_job(rank: int, world: int) -> dict[str, Results]:
     return {
         "ours/2": _post_forward_mesh("ours", rank, 2),
         "ours/True": _post_forward_mesh("ours", rank, True),
         "torch/2": _post_forward_mesh("torch", rank, 2),
         "torch/True": _post_forward_mesh("torch", rank, True),
+        "tp/ours": _tensor_parallel("ours", rank),
+        "tp/torch": _tensor_parallel("torch", rank),
     }
 
 
@@ -380,7 +419,19 @@ def test_pre_all_gather_gets_the_shard_mesh_of_hsdp(ranks: list[dict[str, Result
 
 @pytest.fixture(scope="module")
 def post_forward_ranks() -> list[dict[str, Results]]:
-    return run_distributed(_post_forward_job, 4, timeout=240)
+    return run_distributed(_four_rank_job, 4, timeout=240)
+
+
+@needs_reference_fully_shard
+def test_tensor_parallel_shards_take_the_hooks_as_fsdp2(
+    post_forward_ranks: list[dict[str, Results]],
+) -> None:
+    for results in post_forward_ranks:
+        ours, theirs = results["tp/ours"], results["tp/torch"]
+        # The dp mesh, and the TP-local shapes: in_proj's (16, 8), out_proj's (8, 16).
+        assert ours["seen"] == theirs["seen"] == [(2, (8, 16)), (2, (16, 8))]
+        assert ours["losses"] == theirs["losses"]
+        _same(ours["full"], theirs["full"])
 
 
 @needs_reference_fully_shard
