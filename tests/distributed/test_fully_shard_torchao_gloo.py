@@ -11,6 +11,7 @@ count the hook calls. torchao is imported in the ranks only.
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +32,12 @@ Results = dict[str, Any]
 APIS: dict[str, Callable[..., Any]] = {"ours": fully_shard, "torch": torch_fully_shard}
 
 
-def _counting(kind: type, calls: list[str]) -> None:
+def _torchao(module: str) -> Any:
+    """A torchao module (untyped), imported in the rank."""
+    return importlib.import_module(f"torchao.{module}")
+
+
+def _counting(kind: Any, calls: list[str]) -> None:
     """Count ``kind``'s pre-all-gather calls in ``calls`` (this rank only)."""
     original = kind.fsdp_pre_all_gather
 
@@ -68,14 +74,13 @@ def _trainable(model: nn.Module) -> dict[str, list[Any]]:
 
 
 def _float8(api: str, rank: int) -> Results:
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
-
+    float8 = _torchao("float8")
     calls: list[str] = []
-    _counting(WeightWithDynamicFloat8CastTensor, calls)
+    _counting(_torchao("float8.fsdp_utils").WeightWithDynamicFloat8CastTensor, calls)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
-    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    float8.convert_to_float8_training(model, config=config)
     for linear in (model[0], model[2]):
         APIS[api](linear)
     APIS[api](model)
@@ -85,27 +90,23 @@ def _float8(api: str, rank: int) -> Results:
 
 
 def _nf4(api: str, rank: int) -> Results:
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import (
-        NF4Tensor,
-        linear_nf4,
-        to_nf4,
-    )
+    nf4 = _torchao("quantization.quantize_.workflows.nf4.nf4_tensor")
 
     class QLoRALinear(nn.Module):
         """A frozen NF4 weight under a trainable low-rank adapter."""
 
         def __init__(self, dim: int) -> None:
             super().__init__()
-            self.weight = nn.Parameter(to_nf4(torch.randn(dim, dim)), requires_grad=False)
+            self.weight = nn.Parameter(nf4.to_nf4(torch.randn(dim, dim)), requires_grad=False)
             self.lora_a = nn.Linear(dim, 4, bias=False)
             self.lora_b = nn.Linear(4, dim, bias=False)
 
         def forward(self, x: Tensor) -> Tensor:
-            output: Tensor = linear_nf4(x, self.weight) + self.lora_b(self.lora_a(x))
+            output: Tensor = nf4.linear_nf4(x, self.weight) + self.lora_b(self.lora_a(x))
             return output
 
     calls: list[str] = []
-    _counting(NF4Tensor, calls)
+    _counting(nf4.NF4Tensor, calls)
     torch.manual_seed(0)
     model = nn.Sequential(QLoRALinear(256), QLoRALinear(256))
     for layer in model:

@@ -259,26 +259,29 @@ class ParamGroup:
     def _start_gather(self, *, async_op: bool) -> PendingGather:
         """The all-gather of the shards, or after a post-forward reshard of what was kept."""
         record = self.record() or FullyShardState()
-        if self.extended:  # a shard defines FSDP2's all-gather hooks
-            return self._start_extended_gather(record, async_op=async_op)
-        custom = {} if record.all_gather_comm is None else {"comm": record.all_gather_comm}
+        if self.extended or record.all_gather_comm is not None:
+            return self._start_extension_gather(record, async_op=async_op)
         if self.post_forward and self.post_forward_group is not None:
             self.post_forward = False
             return start_all_gather(
-                self.parameters,
-                self.post_forward_group,
-                async_op=async_op,
-                post_forward=True,
-                **custom,
+                self.parameters, self.post_forward_group, async_op=async_op, post_forward=True
             )
-        return start_all_gather(self.parameters, self.process_group, async_op=async_op, **custom)
+        return start_all_gather(self.parameters, self.process_group, async_op=async_op)
 
-    def _start_extended_gather(self, record: FullyShardState, *, async_op: bool) -> PendingGather:
-        """``_start_gather`` for a group where a shard defines the all-gather hooks."""
+    def _start_extension_gather(self, record: FullyShardState, *, async_op: bool) -> PendingGather:
+        """``_start_gather`` where FSDP2's extension points are used: hooks or a custom comm."""
         group, post_forward = self.process_group, False
         if self.post_forward and self.post_forward_group is not None:
             self.post_forward = False
             group, post_forward = self.post_forward_group, True
+        if not self.extended:
+            return start_all_gather(
+                self.parameters,
+                group,
+                async_op=async_op,
+                post_forward=post_forward,
+                comm=record.all_gather_comm,
+            )
         return start_extended_gather(
             self.parameters,
             group,
