@@ -15,6 +15,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _torch
+from . import _comms
+from ._comms import AllGatherComm, ReduceScatterComm
 from ._sharding import ManagedParameter
 
 __all__ = ["PendingGather", "all_gather", "reduce_scatter", "start_all_gather"]
@@ -60,13 +62,15 @@ def start_all_gather(
     *,
     async_op: bool,
     post_forward: bool = False,
+    comm: AllGatherComm | None = None,
 ) -> PendingGather:
     """Start the all-gather of ``parameters``: one collective per dtype, in their order.
 
     With ``async_op`` the collectives run while the caller computes (gloo runs them
     on its own threads); without, they are done when this returns. With
     ``post_forward``, each rank sends what it kept after forward, over ``group`` (the
-    post-forward mesh's shard group) instead of its shard.
+    post-forward mesh's shard group) instead of its shard. ``comm``
+    (``set_custom_all_gather``) allocates the output and runs each collective.
     """
     parts: list[tuple[Sequence[ManagedParameter], Tensor, Tensor]] = []
     works: list[dist.Work] = []
@@ -79,13 +83,19 @@ def start_all_gather(
                 for parameter in chosen
             ]
         )
-        gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
-        if world == 1:
-            gathered.copy_(flat)
-        elif async_op:
-            works.append(_torch.all_gather_into_async(gathered, flat, group))
+        if comm is None:
+            gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
+            if world == 1:
+                gathered.copy_(flat)
+            elif async_op:
+                works.append(_torch.all_gather_into_async(gathered, flat, group))
+            else:
+                _torch.all_gather_into(gathered, flat, group)
         else:
-            _torch.all_gather_into(gathered, flat, group)
+            gathered = _comms.allocate(comm, world * flat.numel(), flat.dtype, flat.device)
+            work = _comms.all_gather(comm, gathered, flat, group, async_op=async_op)
+            if work is not None:
+                works.append(work)
         parts.append((chosen, flat, gathered))
     return PendingGather(parts, works)
 
@@ -135,6 +145,7 @@ def reduce_scatter(
     deferred: dict[int, Tensor] | None = None,
     divide_factor: float | None = None,
     force_sum: bool = False,
+    comm: ReduceScatterComm | None = None,
 ) -> None:
     """Average ``grads`` (unsharded, one per parameter) over ``group`` into the sharded ``.grad``.
 
@@ -158,6 +169,11 @@ def reduce_scatter(
     ``force_sum`` (``set_force_sum_reduction_for_comms(True)``) the collectives only
     sum: ``hook`` sees the sum, divided by the factor (or the mesh's size) after it,
     as FSDP2 divides after its sums.
+
+    ``comm`` (``set_custom_reduce_scatter``) allocates the input and output buffers
+    and runs each reduce-scatter, with the op FSDP2 would pass (``AVG`` to average
+    over the shard group, else ``SUM`` of the inputs, premultiplied by ``1 / factor``
+    where FSDP2 sends ``PREMUL_SUM``).
     """
     dtypes = [reduce_dtype or grad.dtype for grad in grads]
     for same_dtype in _by_dtype(parameters, dtypes):
@@ -172,6 +188,7 @@ def reduce_scatter(
             deferred={} if deferred is None else deferred,
             divide_factor=divide_factor,
             force_sum=force_sum,
+            comm=comm,
         )
 
 
@@ -187,6 +204,7 @@ def _reduce_scatter_one_dtype(
     deferred: dict[int, Tensor],
     divide_factor: float | None,
     force_sum: bool,
+    comm: ReduceScatterComm | None,
 ) -> None:
     world = group.size()
     columns = torch.cat(
@@ -201,7 +219,9 @@ def _reduce_scatter_one_dtype(
     replicas = 1 if replicate_group is None else replicate_group.size()
     # Whether the all-reduce averages (no factor, no forced sum) or only sums.
     averaging = divide_factor is None and not force_sum
-    if world == 1:
+    if comm is not None:
+        reduced = _custom_reduce_scatter(comm, flat, group, divide_factor, force_sum)
+    elif world == 1:
         unforced = divide_factor if not force_sum else None
         reduced.copy_(flat if unforced is None else flat.div(unforced))
     elif force_sum:
@@ -228,6 +248,36 @@ def _reduce_scatter_one_dtype(
             reduced.div_(after)
     for parameter, shard in zip(parameters, _slices(parameters, reduced), strict=True):
         parameter.accumulate_shard_grad(shard)
+
+
+def _custom_reduce_scatter(
+    comm: ReduceScatterComm,
+    flat: Tensor,
+    group: dist.ProcessGroup,
+    divide_factor: float | None,
+    force_sum: bool,
+) -> Tensor:
+    """Reduce-scatter ``flat`` through ``comm``, as FSDP2's ``foreach_reduce`` calls it.
+
+    Its buffers come from ``comm.allocate``; a shard group of one only copies (and
+    divides by the factor), as FSDP2's.
+    """
+    world = group.size()
+    staged = _comms.allocate(comm, flat.numel(), flat.dtype, flat.device)
+    staged.copy_(flat)
+    reduced = _comms.allocate(comm, flat.numel() // world, flat.dtype, flat.device)
+    if world == 1:
+        unforced = divide_factor if not force_sum else None
+        reduced.copy_(staged if unforced is None else staged.div(unforced))
+        return reduced
+    op = dist.ReduceOp.SUM
+    if not force_sum:
+        if divide_factor is None or divide_factor == world:
+            op = dist.ReduceOp.AVG
+        else:  # FSDP2's PREMUL_SUM(1 / factor), which gloo lacks: the same product, summed
+            staged.mul_(1 / divide_factor)
+    comm(output_tensor=reduced, input_tensor=staged, group=group, op=op)
+    return reduced
 
 
 def _slices(parameters: Sequence[ManagedParameter], reduced: Tensor) -> list[Tensor]:

@@ -40,6 +40,7 @@ from torchcontract import UnmaterializedParameterError, module_label
 
 from .. import _torch
 from ._collectives import PendingGather, reduce_scatter, start_all_gather
+from ._extended_gather import detect, start_extended_gather
 from ._sharding import ManagedParameter
 from ._state import FullyShardState
 
@@ -174,6 +175,8 @@ class ParamGroup:
         # A list's application: ids of its modules yet to run forward in this pass (FSDP2's
         # ``_modules_to_run_forward``); its post-forward waits for the last of them.
         self.to_run_forward: set[int] = set()
+        # Whether a shard defines FSDP2's all-gather extension hooks (found at lazy init).
+        self.extended = False
 
     def completes_forward(self, module_id: int) -> bool:
         """Note the forward of one of the group's modules: whether it ends the group's forward.
@@ -251,6 +254,7 @@ class ParamGroup:
         where = module_label(modules[0]) if modules else "a freed module"
         for parameter in self.parameters:
             parameter.adopt_replaced(where)
+        self.extended = detect(self.parameters, f"fully_shard on {where}")
 
     def unshard(self) -> None:
         """All-gather the parameters and register the unsharded ones (no-op if unsharded).
@@ -271,12 +275,38 @@ class ParamGroup:
 
     def _start_gather(self, *, async_op: bool) -> PendingGather:
         """The all-gather of the shards, or after a post-forward reshard of what was kept."""
+        record = self.record() or FullyShardState()
+        if self.extended or record.all_gather_comm is not None:
+            return self._start_extension_gather(record, async_op=async_op)
         if self.post_forward and self.post_forward_group is not None:
             self.post_forward = False
             return start_all_gather(
                 self.parameters, self.post_forward_group, async_op=async_op, post_forward=True
             )
         return start_all_gather(self.parameters, self.process_group, async_op=async_op)
+
+    def _start_extension_gather(self, record: FullyShardState, *, async_op: bool) -> PendingGather:
+        """``_start_gather`` where FSDP2's extension points are used: hooks or a custom comm."""
+        group, post_forward = self.process_group, False
+        if self.post_forward and self.post_forward_group is not None:
+            self.post_forward = False
+            group, post_forward = self.post_forward_group, True
+        if not self.extended:
+            return start_all_gather(
+                self.parameters,
+                group,
+                async_op=async_op,
+                post_forward=post_forward,
+                comm=record.all_gather_comm,
+            )
+        return start_extended_gather(
+            self.parameters,
+            group,
+            async_op=async_op,
+            post_forward=post_forward,
+            comm=record.all_gather_comm,
+            mp_policy=record.mp_policy,
+        )
 
     def prefetch(self, *, requested: bool = False) -> None:
         """Start the all-gather now, on gloo's threads; ``unshard`` waits for it.
@@ -427,6 +457,7 @@ class ParamGroup:
                 deferred=self.deferred,
                 divide_factor=record.gradient_divide_factor,
                 force_sum=record.force_sum_reduction,
+                comm=record.reduce_scatter_comm,
             )
             self.reduced = True
 
