@@ -7,7 +7,7 @@ without suppressing anything.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Final, ParamSpec, TypeVar, cast
 
@@ -31,6 +31,7 @@ __all__ = [
     "broadcast",
     "checkpoint_generator",
     "checkpoint_is_valid",
+    "chunk_cat",
     "copy_each",
     "current_graph_task_id",
     "device_module_initialized",
@@ -298,3 +299,15 @@ def register_load_state_dict_post_hook(
     """Call ``hook(module, incompatible_keys)`` after ``load_state_dict`` wrote ``module``."""
     register = cast(_RegisterHook, module.register_load_state_dict_post_hook)
     return register(hook)
+
+
+def chunk_cat(tensors: Sequence[Tensor], chunks: int, out: Tensor) -> None:
+    """Each tensor padded on dim 0 to ``chunks`` equal chunks, chunk ``i`` of all in row ``i``.
+
+    ``out`` is ``(chunks, padded numel / chunks)``, of any dtype (the copy casts):
+    ``torch._chunk_cat``, the copy-in of FSDP2's reduce-scatter.
+    """
+    _chunk_cat(list(tensors), 0, chunks, out=out)
+
+
+_chunk_cat: Final = cast(Callable[..., Tensor], vars(torch)["_chunk_cat"])

@@ -13,8 +13,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from .. import _torch
+from . import _copies
 from ._sharding import ManagedParameter
 
 __all__ = ["PendingGather", "all_gather", "reduce_scatter", "start_all_gather"]
@@ -31,20 +33,16 @@ class PendingGather:
 
     __slots__ = ("_parts", "_works", "requested")
 
-    def __init__(
-        self,
-        parts: list[tuple[Sequence[ManagedParameter], Tensor, Tensor]],
-        works: list[dist.Work],
-    ) -> None:
-        self._parts = parts  # per dtype: the parameters, the flat input, the gathered output
+    def __init__(self, parts: list[_Part], works: list[dist.Work]) -> None:
+        self._parts = parts
         self._works = works
         self.requested = False
 
     def finish(self) -> None:
         """Wait for the collective(s) and register the unsharded parameters."""
         self.discard()
-        for parameters, flat, gathered in self._parts:
-            _unshard_from(parameters, gathered, gathered.numel() // flat.numel())
+        for part in self._parts:
+            part.finish()
         self._parts = []
 
     def discard(self) -> None:
@@ -52,6 +50,45 @@ class PendingGather:
         works, self._works = self._works, []
         for work in works:
             work.wait()
+
+
+class _Part:
+    """The all-gather of one dtype's parameters: its buffers, and how to unshard from them.
+
+    ``gathered`` None: a world of one, whose shards are already in the unsharded
+    parameters. ``batched``: the rows go out in one copy (``_copies``), else one by
+    one (another shard dim, or what a post-forward reshard kept).
+    """
+
+    __slots__ = ("batched", "flat", "gathered", "parameters", "world")
+
+    def __init__(
+        self,
+        parameters: Sequence[ManagedParameter],
+        flat: Tensor | None,
+        gathered: Tensor | None,
+        world: int,
+        *,
+        batched: bool,
+    ) -> None:
+        self.parameters = parameters
+        self.flat = flat
+        self.gathered = gathered
+        self.world = world
+        self.batched = batched
+
+    def finish(self) -> None:
+        gathered = self.gathered
+        if gathered is None:
+            pass
+        elif self.batched:
+            _copies.copy_out(self.parameters, gathered, self.world)
+        else:
+            assert self.flat is not None
+            _unshard_from(self.parameters, gathered, gathered.numel() // self.flat.numel())
+            return
+        for parameter in self.parameters:
+            parameter.install_unsharded()
 
 
 def start_all_gather(
@@ -68,25 +105,36 @@ def start_all_gather(
     ``post_forward``, each rank sends what it kept after forward, over ``group`` (the
     post-forward mesh's shard group) instead of its shard.
     """
-    parts: list[tuple[Sequence[ManagedParameter], Tensor, Tensor]] = []
+    parts: list[_Part] = []
     works: list[dist.Work] = []
     world = group.size()
     for same_dtype in _by_dtype(parameters, [parameter.param_dtype for parameter in parameters]):
         chosen = [parameters[index] for index in same_dtype]
-        flat = torch.cat(
-            [
-                parameter.post_forward_input() if post_forward else parameter.gather_input()
-                for parameter in chosen
-            ]
-        )
-        gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
+        dtype = chosen[0].param_dtype
+        batched = not post_forward and _copies.batched(chosen)
+        if batched and world == 1:
+            _copies.copy_shards(chosen, dtype)
+            parts.append(_Part(chosen, None, None, world, batched=True))
+            continue
+        if batched:
+            flat, gathered = _copies.copy_in(chosen, dtype, world, group.rank())
+        else:
+            flat = torch.cat(
+                [
+                    parameter.post_forward_input() if post_forward else parameter.gather_input()
+                    for parameter in chosen
+                ]
+            )
+            gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
+            if world == 1:
+                gathered.copy_(flat)
         if world == 1:
-            gathered.copy_(flat)
+            pass
         elif async_op:
             works.append(_torch.all_gather_into_async(gathered, flat, group))
         else:
             _torch.all_gather_into(gathered, flat, group)
-        parts.append((chosen, flat, gathered))
+        parts.append(_Part(chosen, flat, gathered, world, batched=batched))
     return PendingGather(parts, works)
 
 
@@ -189,27 +237,35 @@ def _reduce_scatter_one_dtype(
     force_sum: bool,
 ) -> None:
     world = group.size()
-    columns = torch.cat(
-        [
-            parameter.scatter_input(grad, dtype)
-            for parameter, grad in zip(parameters, grads, strict=True)
-        ],
-        dim=1,
-    )
-    reduced = torch.empty(columns.shape[1], dtype=dtype, device=columns.device)
-    flat = columns.reshape(-1)
+    if _copies.batched(parameters) and not any(isinstance(grad, DTensor) for grad in grads):
+        numel = sum(parameter.padded_shard_numel for parameter in parameters)
+        flat = _copies.gradient_input(grads, dtype, world, numel)
+    else:
+        flat = torch.cat(
+            [
+                parameter.scatter_input(grad, dtype)
+                for parameter, grad in zip(parameters, grads, strict=True)
+            ],
+            dim=1,
+        ).reshape(-1)
+    numel = flat.numel() // world
     replicas = 1 if replicate_group is None else replicate_group.size()
     # Whether the all-reduce averages (no factor, no forced sum) or only sums.
     averaging = divide_factor is None and not force_sum
-    if world == 1:
+    if world == 1:  # the flat input is this rank's alone: reduced in place
+        reduced = flat
         unforced = divide_factor if not force_sum else None
-        reduced.copy_(flat if unforced is None else flat.div(unforced))
+        if unforced is not None:
+            reduced.div_(unforced)
     elif force_sum:
+        reduced = torch.empty(numel, dtype=dtype, device=flat.device)
         _torch.reduce_scatter_sum(reduced, flat, group)
     elif divide_factor is None or divide_factor == world:
+        reduced = torch.empty(numel, dtype=dtype, device=flat.device)
         _torch.reduce_scatter_average(reduced, flat, group)
     else:  # FSDP2's PREMUL_SUM(1 / factor)
-        _torch.reduce_scatter_sum(reduced, flat.mul(1 / divide_factor), group)
+        reduced = torch.empty(numel, dtype=dtype, device=flat.device)
+        _torch.reduce_scatter_sum(reduced, flat.mul_(1 / divide_factor), group)
     if replicate_group is not None:
         if not all_reduce:
             _defer(parameters, reduced, deferred)
@@ -226,8 +282,7 @@ def _reduce_scatter_one_dtype(
         after = float(world * replicas) if divide_factor is None else divide_factor
         if after != 1:
             reduced.div_(after)
-    for parameter, shard in zip(parameters, _slices(parameters, reduced), strict=True):
-        parameter.accumulate_shard_grad(shard)
+    _copies.shard_gradients(parameters, reduced)
 
 
 def _slices(parameters: Sequence[ManagedParameter], reduced: Tensor) -> list[Tensor]:
