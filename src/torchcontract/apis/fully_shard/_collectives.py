@@ -9,6 +9,7 @@ the flat buffer holds every parameter's ``r``-th padded shard, in order.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from .. import _torch
 from . import _copies
 from ._sharding import ManagedParameter
+from ._streams import CommStreams
 
 __all__ = ["PendingGather", "all_gather", "reduce_scatter", "start_all_gather"]
 
@@ -60,7 +62,7 @@ class _Part:
     one (another shard dim, or what a post-forward reshard kept).
     """
 
-    __slots__ = ("batched", "flat", "gathered", "parameters", "world")
+    __slots__ = ("batched", "event", "flat", "gathered", "parameters", "streams", "world")
 
     def __init__(
         self,
@@ -70,15 +72,21 @@ class _Part:
         world: int,
         *,
         batched: bool,
+        streams: CommStreams | None = None,
     ) -> None:
         self.parameters = parameters
         self.flat = flat
         self.gathered = gathered
         self.world = world
         self.batched = batched
+        self.streams = streams
+        # On an accelerator: the all-gather stream's event that the copy-out waits for.
+        self.event = None if streams is None or gathered is None else streams.gathered()
 
     def finish(self) -> None:
         gathered = self.gathered
+        if gathered is not None and self.streams is not None and self.event is not None:
+            self.streams.copy_out_after(self.event, gathered)
         if gathered is None:
             pass
         elif self.batched:
@@ -97,6 +105,7 @@ def start_all_gather(
     *,
     async_op: bool,
     post_forward: bool = False,
+    streams: CommStreams | None = None,
 ) -> PendingGather:
     """Start the all-gather of ``parameters``: one collective per dtype, in their order.
 
@@ -104,6 +113,11 @@ def start_all_gather(
     on its own threads); without, they are done when this returns. With
     ``post_forward``, each rank sends what it kept after forward, over ``group`` (the
     post-forward mesh's shard group) instead of its shard.
+
+    With ``streams`` (an accelerator), the copy-in runs on its stream and the
+    collective on the all-gather stream, and ``finish`` orders the copy-out after it
+    on the caller's stream (``_streams``); the collective is then issued in order on
+    its stream, whatever ``async_op``.
     """
     parts: list[_Part] = []
     works: list[dist.Work] = []
@@ -116,31 +130,38 @@ def start_all_gather(
             _copies.copy_shards(chosen, dtype)
             parts.append(_Part(chosen, None, None, world, batched=True))
             continue
-        if batched:
-            flat, gathered = _copies.copy_in(chosen, dtype, world, group.rank())
-        else:
-            flat = torch.cat(
-                [
-                    parameter.post_forward_input() if post_forward else parameter.gather_input()
-                    for parameter in chosen
-                ]
-            )
-            gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
+        with _on(streams.copying_in() if streams is not None else None):
+            if batched:
+                flat, gathered = _copies.copy_in(chosen, dtype, world, group.rank())
+            else:
+                flat = torch.cat(
+                    [
+                        parameter.post_forward_input() if post_forward else parameter.gather_input()
+                        for parameter in chosen
+                    ]
+                )
+                gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
+                if world == 1:
+                    gathered.copy_(flat)
+        with _on(streams.gathering() if streams is not None else None):
             if world == 1:
-                gathered.copy_(flat)
-        if world == 1:
-            pass
-        elif async_op:
-            works.append(_torch.all_gather_into_async(gathered, flat, group))
-        else:
-            _torch.all_gather_into(gathered, flat, group)
-        parts.append(_Part(chosen, flat, gathered, world, batched=batched))
+                pass
+            elif async_op and streams is None:
+                works.append(_torch.all_gather_into_async(gathered, flat, group))
+            else:
+                _torch.all_gather_into(gathered, flat, group)
+            parts.append(_Part(chosen, flat, gathered, world, batched=batched, streams=streams))
     return PendingGather(parts, works)
 
 
 def all_gather(parameters: Sequence[ManagedParameter], group: dist.ProcessGroup) -> None:
     """All-gather ``parameters`` and register their unsharded forms: one collective per dtype."""
     start_all_gather(parameters, group, async_op=False).finish()
+
+
+def _on(context: AbstractContextManager[object] | None) -> AbstractContextManager[object]:
+    """``context``, or nothing (the CPU: no stream)."""
+    return nullcontext() if context is None else context
 
 
 def _by_dtype(items: Sequence[object], dtypes: Sequence[torch.dtype]) -> list[list[int]]:
@@ -183,7 +204,8 @@ def reduce_scatter(
     deferred: dict[int, Tensor] | None = None,
     divide_factor: float | None = None,
     force_sum: bool = False,
-) -> None:
+    streams: CommStreams | None = None,
+) -> list[torch.Event]:
     """Average ``grads`` (unsharded, one per parameter) over ``group`` into the sharded ``.grad``.
 
     The reduction runs in ``reduce_dtype`` (the gradients' own dtype if None), one
@@ -206,10 +228,15 @@ def reduce_scatter(
     ``force_sum`` (``set_force_sum_reduction_for_comms(True)``) the collectives only
     sum: ``hook`` sees the sum, divided by the factor (or the mesh's size) after it,
     as FSDP2 divides after its sums.
+
+    With ``streams`` (an accelerator) each reduction runs on the reduce-scatter
+    stream (HSDP's all-reduce on its own), once it waits for the caller's; returned:
+    the events the end of backward waits for (none on the CPU).
     """
     dtypes = [reduce_dtype or grad.dtype for grad in grads]
+    events: list[torch.Event] = []
     for same_dtype in _by_dtype(parameters, dtypes):
-        _reduce_scatter_one_dtype(
+        event = _reduce_scatter_one_dtype(
             [parameters[index] for index in same_dtype],
             [grads[index] for index in same_dtype],
             group,
@@ -220,7 +247,11 @@ def reduce_scatter(
             deferred={} if deferred is None else deferred,
             divide_factor=divide_factor,
             force_sum=force_sum,
+            streams=streams,
         )
+        if event is not None:
+            events.append(event)
+    return events
 
 
 def _reduce_scatter_one_dtype(
@@ -235,7 +266,8 @@ def _reduce_scatter_one_dtype(
     deferred: dict[int, Tensor],
     divide_factor: float | None,
     force_sum: bool,
-) -> None:
+    streams: CommStreams | None,
+) -> torch.Event | None:
     world = group.size()
     if _copies.batched(parameters) and not any(isinstance(grad, DTensor) for grad in grads):
         numel = sum(parameter.padded_shard_numel for parameter in parameters)
@@ -249,6 +281,49 @@ def _reduce_scatter_one_dtype(
             dim=1,
         ).reshape(-1)
     numel = flat.numel() // world
+    with ExitStack() as stack:
+        last = None
+        if streams is not None:
+            stack.enter_context(streams.reducing(flat))
+            last = streams.reduce_scatter
+        _reduce(
+            parameters,
+            flat,
+            numel,
+            group,
+            dtype,
+            replicate_group=replicate_group,
+            hook=hook,
+            all_reduce=all_reduce,
+            deferred=deferred,
+            divide_factor=divide_factor,
+            force_sum=force_sum,
+            all_reducing=None if streams is None else streams.all_reducing,
+        )
+        if streams is not None and last is not None:
+            if replicate_group is not None and all_reduce and replicate_group.size() > 1:
+                last = streams.all_reduce
+            return streams.reduced(last)
+    return None
+
+
+def _reduce(
+    parameters: Sequence[ManagedParameter],
+    flat: Tensor,
+    numel: int,
+    group: dist.ProcessGroup,
+    dtype: torch.dtype,
+    *,
+    replicate_group: dist.ProcessGroup | None,
+    hook: Callable[[Tensor], None] | None,
+    all_reduce: bool,
+    deferred: dict[int, Tensor],
+    divide_factor: float | None,
+    force_sum: bool,
+    all_reducing: Callable[[], AbstractContextManager[None]] | None,
+) -> None:
+    """Reduce-scatter ``flat``, all-reduce over replicas, store the shards' gradients."""
+    world = group.size()
     replicas = 1 if replicate_group is None else replicate_group.size()
     # Whether the all-reduce averages (no factor, no forced sum) or only sums.
     averaging = divide_factor is None and not force_sum
@@ -273,9 +348,42 @@ def _reduce_scatter_one_dtype(
         if deferred:  # only after a backward with the all-reduce off
             _take_deferred(parameters, reduced, deferred)
         if replicas > 1:
-            _torch.all_reduce(reduced, replicate_group).wait()
-            if averaging:
-                reduced.div_(replicas)
+            with _on(None if all_reducing is None else all_reducing()):
+                _torch.all_reduce(reduced, replicate_group).wait()
+                if averaging:
+                    reduced.div_(replicas)
+                _store(
+                    parameters,
+                    reduced,
+                    hook=hook,
+                    force_sum=force_sum,
+                    divide_factor=divide_factor,
+                    world=world,
+                    replicas=replicas,
+                )
+            return
+    _store(
+        parameters,
+        reduced,
+        hook=hook,
+        force_sum=force_sum,
+        divide_factor=divide_factor,
+        world=world,
+        replicas=replicas,
+    )
+
+
+def _store(
+    parameters: Sequence[ManagedParameter],
+    reduced: Tensor,
+    *,
+    hook: Callable[[Tensor], None] | None,
+    force_sum: bool,
+    divide_factor: float | None,
+    world: int,
+    replicas: int,
+) -> None:
+    """The reduced shards: to the all-reduce hook, divided after a forced sum, to ``.grad``."""
     if hook is not None:
         hook(reduced)
     if force_sum:  # FSDP2 divides after its sums, by the factor or the mesh's size

@@ -42,6 +42,7 @@ from .. import _torch
 from ._collectives import PendingGather, reduce_scatter, start_all_gather
 from ._sharding import ManagedParameter
 from ._state import FullyShardState
+from ._streams import CommStreams
 
 if TYPE_CHECKING:
     from torchcontract import Contract
@@ -84,6 +85,8 @@ class Root:
         self.last_forward: list[weakref.ref[ParamGroup]] = []
         self.forward: list[weakref.ref[ParamGroup]] = []
         self.post_forward: list[weakref.ref[ParamGroup]] = []
+        # On an accelerator: FSDP2's communication streams (``_streams``); None on the CPU.
+        self.streams: CommStreams | None = None
 
     @property
     def groups(self) -> list[ParamGroup]:
@@ -92,8 +95,15 @@ class Root:
     def start_iteration(self) -> None:
         """At the root's forward: forget a backward that failed before its end callback ran.
 
-        Also drops unused prefetches and starts recording this iteration's order.
+        Also drops unused prefetches and starts recording this iteration's order; on
+        an accelerator, the copy-in stream waits for the optimizer step.
         """
+        streams = self.streams
+        if streams is not None:
+            for group in self.groups:  # set_post_optim_event on any module under the root
+                if group.post_optim_event is not None:
+                    streams.post_optim_event, group.post_optim_event = group.post_optim_event, None
+            streams.start_iteration()
         if self.callback_queued:
             self.callback_queued = False
             for group in self.groups:
@@ -171,6 +181,23 @@ class ParamGroup:
         self.post_forward_indices: list[int] = []
         # HSDP with requires_all_reduce off: reduce-scattered shards awaiting the all-reduce.
         self.deferred: dict[int, Tensor] = {}
+        # On an accelerator: the reductions' events the end of backward waits for, and
+        # the user's post-optimizer event for the next forward's copy-in.
+        self.reduce_events: list[torch.Event] = []
+        self.post_optim_event: torch.Event | None = None
+
+    @property
+    def device_type(self) -> str:
+        """The device type of the group's mesh (``cpu`` for an empty group)."""
+        for parameter in self.parameters:
+            return parameter.layout.mesh.device_type
+        return "cpu"
+
+    @property
+    def streams(self) -> CommStreams | None:
+        """The root's communication streams (None on the CPU, or before the first forward)."""
+        root = self.root
+        return None if root is None else root.streams
 
     def modules(self) -> list[nn.Module]:
         """The group's modules that are still alive."""
@@ -256,10 +283,21 @@ class ParamGroup:
         """The all-gather of the shards, or after a post-forward reshard of what was kept."""
         if self.post_forward and self.post_forward_group is not None:
             self.post_forward = False
+            group, post_forward = self.post_forward_group, True
+        else:
+            group, post_forward = self.process_group, False
+        streams = self.streams
+        if streams is not None:
             return start_all_gather(
-                self.parameters, self.post_forward_group, async_op=async_op, post_forward=True
+                self.parameters,
+                group,
+                async_op=async_op,
+                post_forward=post_forward,
+                streams=streams,
             )
-        return start_all_gather(self.parameters, self.process_group, async_op=async_op)
+        if post_forward:
+            return start_all_gather(self.parameters, group, async_op=async_op, post_forward=True)
+        return start_all_gather(self.parameters, group, async_op=async_op)
 
     def prefetch(self, *, requested: bool = False) -> None:
         """Start the all-gather now, on gloo's threads; ``unshard`` waits for it.
@@ -399,7 +437,7 @@ class ParamGroup:
             self.reshard()
         if pairs:
             grads = [grad for _, grad in pairs]
-            reduce_scatter(
+            self.reduce_events += reduce_scatter(
                 [parameter for parameter, _ in pairs],
                 grads,
                 self.process_group,
@@ -410,6 +448,7 @@ class ParamGroup:
                 deferred=self.deferred,
                 divide_factor=record.gradient_divide_factor,
                 force_sum=record.force_sum_reduction,
+                streams=self.streams,
             )
             self.reduced = True
 
@@ -493,6 +532,12 @@ def finish_backward(root: Root) -> None:
                 # Inputs that need no gradient (token ids) never trigger it.
                 group.post_backward()
     finally:
+        streams = root.streams
+        if streams is not None:
+            events = [event for group in root.groups for event in group.reduce_events]
+            streams.finish_backward(events)
+        for group in root.groups:
+            group.reduce_events.clear()
         root.callback_queued = False
         root.post_forward = []
         for group in root.groups:
