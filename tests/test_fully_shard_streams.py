@@ -178,3 +178,15 @@ def test_post_optim_event_replaces_the_wait_for_compute(backend: FakeBackend) ->
     assert log[:2] == ["copy_in waits optimizer-event", "all_gather waits optimizer-event"]
     assert "copy_in waits compute" not in log
     assert after[0] == "copy_in waits compute"  # for one iteration only, as FSDP2's
+
+
+def test_user_unshard_runs_on_the_callers_stream(backend: FakeBackend) -> None:
+    """As FSDP2's: outside a forward or backward, the copy-in streams are not used."""
+    with fake_mesh((2,)):
+        model = _sharded()
+        _step(model, backend)
+        backend.log.clear()
+        model.first.unshard()
+        model.first.reshard()
+    assert "enter copy_in" not in backend.log
+    assert "enter all_gather" not in backend.log

@@ -274,19 +274,26 @@ class ParamGroup:
             self.unsharded = True
         elif not self.unsharded:
             self.check_materialized()
-            self._start_gather(async_op=False).finish()
+            in_pass = self.phase in {Phase.FORWARD, Phase.PRE_BACKWARD}
+            self._start_gather(async_op=False, on_streams=in_pass).finish()
             self.unsharded = True
         else:
             self.follow_cast()
 
-    def _start_gather(self, *, async_op: bool) -> PendingGather:
-        """The all-gather of the shards, or after a post-forward reshard of what was kept."""
+    def _start_gather(self, *, async_op: bool, on_streams: bool) -> PendingGather:
+        """The all-gather of the shards, or after a post-forward reshard of what was kept.
+
+        ``on_streams``: on an accelerator, on the communication streams; as FSDP2's
+        ``get_all_gather_streams``, only a forward's or backward's gather (its own or a
+        prefetch), whose copy-in streams waited for the optimizer; the user's
+        ``unshard()`` runs on the caller's stream.
+        """
         if self.post_forward and self.post_forward_group is not None:
             self.post_forward = False
             group, post_forward = self.post_forward_group, True
         else:
             group, post_forward = self.process_group, False
-        streams = self.streams
+        streams = self.streams if on_streams else None
         if streams is not None:
             return start_all_gather(
                 self.parameters,
@@ -310,7 +317,7 @@ class ParamGroup:
             return
         if any(parameter.is_meta for parameter in self.parameters):
             return
-        self.pending = self._start_gather(async_op=True)
+        self.pending = self._start_gather(async_op=True, on_streams=not requested)
         self.pending.requested = requested
 
     def drop_prefetch(self) -> None:
