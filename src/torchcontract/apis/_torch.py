@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms.join import _JoinConfig
+from torch.distributed.tensor import DTensor
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils.hooks import RemovableHandle
 
@@ -36,6 +37,7 @@ __all__ = [
     "current_graph_task_id",
     "device_module_initialized",
     "disabled_join_config",
+    "dtensor_like",
     "fork_rng",
     "get_device_states",
     "infer_device_type",
@@ -311,3 +313,14 @@ def chunk_cat(tensors: Sequence[Tensor], chunks: int, out: Tensor) -> None:
 
 
 _chunk_cat: Final = cast(Callable[..., Tensor], vars(torch)["_chunk_cat"])
+
+
+_new_dtensor: Final = cast(Callable[..., DTensor], DTensor)
+
+
+def dtensor_like(local: Tensor, like: DTensor) -> DTensor:
+    """``local`` as a ``DTensor`` of ``like``'s spec, made directly: no op, no autograd.
+
+    FSDP2's ``_from_local_no_grad``; ``local`` must have ``like``'s local shape and dtype.
+    """
+    return _new_dtensor(local, like._spec, requires_grad=False)

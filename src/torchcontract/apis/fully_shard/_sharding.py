@@ -428,9 +428,21 @@ class ManagedParameter:
         grad = self.sharded.grad
         with torch.no_grad():
             if grad is None:
-                self.sharded.grad = self.layout.sharded(local)
+                self.sharded.grad = self._sharded_grad(local)
             else:
                 as_dtensor(grad)._local_tensor.add_(local)
+
+    def _sharded_grad(self, local: Tensor) -> DTensor:
+        """``local`` as the shard's ``.grad``: a ``DTensor`` of the shard's spec.
+
+        Made directly, as FSDP2's ``_from_local_no_grad``, without ``from_local``'s
+        view, where ``local`` has the shard's local shape and dtype (the spec's).
+        """
+        sharded = as_dtensor(self.sharded)
+        shard = sharded._local_tensor
+        if local.dtype == shard.dtype and local.shape == shard.shape:
+            return _torch.dtensor_like(local, sharded)
+        return self.layout.sharded(local)
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
