@@ -331,6 +331,56 @@ def test_a_list_application_under_a_root_trains_as_in_fsdp2() -> None:
     assert losses["ours"] == losses["torch"]
 
 
+class SkipsHead(nn.Module):
+    """torchtitan's model under a chunked loss: its forward runs the norm, not the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.norm = nn.RMSNorm(8)
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.norm(self.body(x))
+        return out
+
+
+def test_a_chunked_loss_on_a_list_applications_head_keeps_the_model_gathered_as_fsdp2() -> None:
+    """The norm and head sharded as one list: the head's backwards per chunk end no backward.
+
+    FSDP2 ends a list's forward when the last of its modules ran (the root's forward
+    ends it when one did not), so a head run by the loss, per chunk, hooks no
+    pre-backward and its backwards queue no end-of-backward callback: the model's
+    parameters stay gathered for the model's own backward.
+    """
+    seen: dict[str, tuple[object, ...]] = {}
+    gradients: dict[str, dict[str, Tensor]] = {}
+    for name, apply in APPLIES.items():
+        torch.manual_seed(0)
+        model = SkipsHead()
+        apply(model.body, mesh=_mesh(), reshard_after_forward=False)
+        apply([model.norm, model.head], mesh=_mesh(), reshard_after_forward=False)
+        apply(model, mesh=_mesh())
+        hidden = model(torch.randn(4, 8))
+        detached = hidden.detach().requires_grad_()
+        for chunk in detached.chunk(2):
+            model.head(chunk).square().sum().backward()
+        seen[name] = tuple(
+            type(module.weight).__name__ for module in (model.body, model.norm, model.head)
+        )
+        assert detached.grad is not None
+        hidden.backward(detached.grad)
+        gradients[name] = {
+            key: cast(DTensor, parameter.grad).full_tensor()
+            for key, parameter in model.named_parameters()
+        }
+    # The body stays gathered; the list's own post-backward resharded the norm and head.
+    assert seen["ours"] == seen["torch"] == ("Parameter", "DTensor", "DTensor")
+    assert gradients["ours"].keys() == gradients["torch"].keys()
+    for key, gradient in gradients["torch"].items():
+        assert torch.equal(gradients["ours"][key], gradient), key
+
+
 # ----------------------------------------------------------------- forward inputs
 
 

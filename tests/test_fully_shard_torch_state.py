@@ -198,6 +198,42 @@ def test_lazy_init_makes_the_root_as_fsdp2s(mesh: DeviceMesh, api: str) -> None:
 
 
 @pytest.mark.parametrize("api", BOTH)
+def test_lazy_init_again_on_the_root_changes_nothing_as_fsdp2s(mesh: DeviceMesh, api: str) -> None:
+    model = sharded(APIS[api], mesh)
+    state(model)._lazy_init()
+    state(model)._lazy_init()
+    train_step(model)
+    state(model)._lazy_init()  # after a forward made the root too
+    assert (state(model)._is_root, state(model.first)._is_root) == (True, False)
+    assert state(model)._state_ctx.all_states == [state(model), state(model.first)]
+    train_step(model)
+
+
+@pytest.mark.parametrize("api", BOTH)
+def test_lazy_init_on_an_inner_module_after_the_roots_changes_nothing_as_fsdp2s(
+    mesh: DeviceMesh, api: str
+) -> None:
+    model = sharded(APIS[api], mesh)
+    train_step(model)
+    state(model.first)._lazy_init()
+    assert (state(model)._is_root, state(model.first)._is_root) == (True, False)
+    assert state(model.first)._state_ctx.all_states == [state(model), state(model.first)]
+    train_step(model)
+    assert isinstance(model.first.weight, DTensor)  # resharded after forward: not a root
+
+
+@pytest.mark.parametrize("api", BOTH)
+def test_lazy_init_on_an_inner_module_first_makes_the_roots_forward_refuse_as_fsdp2s(
+    mesh: DeviceMesh, api: str
+) -> None:
+    model = sharded(APIS[api], mesh)
+    state(model.first)._lazy_init()
+    assert (state(model)._is_root, state(model.first)._is_root) == (None, True)
+    with pytest.raises(RuntimeError, match="has already been lazily initialized for first"):
+        train_step(model)
+
+
+@pytest.mark.parametrize("api", BOTH)
 def test_the_context_tells_the_last_backward_as_set(mesh: DeviceMesh, api: str) -> None:
     model = sharded(APIS[api], mesh)
     train_step(model)

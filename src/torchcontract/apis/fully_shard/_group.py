@@ -185,6 +185,9 @@ class ParamGroup:
         # the user's post-optimizer event for the next forward's copy-in.
         self.reduce_events: list[torch.Event] = []
         self.post_optim_event: torch.Event | None = None
+        # A list's application: ids of its modules yet to run forward in this pass (FSDP2's
+        # ``_modules_to_run_forward``); its post-forward waits for the last of them.
+        self.to_run_forward: set[int] = set()
 
     @property
     def device_type(self) -> str:
@@ -198,6 +201,20 @@ class ParamGroup:
         """The root's communication streams (None on the CPU, or before the first forward)."""
         root = self.root
         return None if root is None else root.streams
+
+    def completes_forward(self, module_id: int) -> bool:
+        """Note the forward of one of the group's modules: whether it ends the group's forward.
+
+        A group of one module: always. A list's: when the module was the last of those
+        yet to run in this pass; one run again (a head a chunked loss calls per chunk)
+        ends nothing.
+        """
+        if len(self.module_ids) == 1:
+            return True
+        if module_id not in self.to_run_forward:
+            return False
+        self.to_run_forward.discard(module_id)
+        return not self.to_run_forward
 
     def modules(self) -> list[nn.Module]:
         """The group's modules that are still alive."""
@@ -550,6 +567,7 @@ def finish_backward(root: Root) -> None:
         for group in root.groups:
             group.drop_prefetch()
             group.post_forward_indices.clear()
+            group.to_run_forward.clear()
             group.phase = Phase.IDLE
             if group.reduced:
                 group.reduced = False

@@ -86,6 +86,8 @@ class ForwardHooks:
         policy = self.mp_policy
         if policy is not None and policy.cast_forward_inputs:
             args, kwargs = _cast((args, kwargs), policy.param_dtype)
+        if len(group.module_ids) > 1 and not group.to_run_forward:  # a list's pass begins
+            group.to_run_forward = set(group.module_ids)
         if in_backward():  # a checkpoint recomputing the forward: gathered by pre-backward
             group.unshard()
             return args, kwargs
@@ -99,11 +101,14 @@ class ForwardHooks:
                     member.adopt_replaced()
                     member.check_materialized(module)
                 root.materialized = True
+        # Still in FORWARD: another module of a list's application ran first in this pass
+        # and already hooked the pass's inputs for the post-backward (FSDP2's).
+        entering = group.phase is not Phase.FORWARD
         group.phase = Phase.FORWARD
         group.unshard()
         group.prefetch_forward(root)
         group.update(_count_forward)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and entering:
             args, kwargs = _with_post_backward(group, args, kwargs)
         return args, kwargs
 
@@ -112,22 +117,43 @@ class ForwardHooks:
         """Forward hook: reshard (unless root), hook the outputs for the pre-backward.
 
         Floating outputs are cast to the policy's ``output_dtype``, if set (FSDP2's).
+        An application to a list of modules ends its forward, as FSDP2's, only when
+        the last of its modules to run in this pass returns; until then (and for a
+        module run again, as a chunked loss runs a head), the output is only cast.
+        The root's forward ends the lists whose other modules did not run (a model
+        whose forward skips the head a chunked loss runs): their pre-backward hooks
+        go on the root's outputs.
         """
         group = self.group_for(module)
-        if group is None or in_backward():
+        if group is None:
+            return None
+        completes = group.completes_forward(id(module))
+        if in_backward():
             return None
         policy = self.mp_policy
         if policy is not None and policy.output_dtype is not None:
             output = _cast(output, policy.output_dtype)
-        if group.reshards_after_forward:
-            group.reshard_after_forward_pass()
-        if group.root is not None:
-            group.root.record_post_forward(group)
-        group.phase = Phase.IDLE
-        if torch.is_grad_enabled():
-            for tensor in grad_tensors(output):
-                _torch.register_tensor_hook(tensor, group.pre_backward)
+        if completes:
+            _end_forward(group, output)
+            root = group.root
+            if group.is_root and root is not None:
+                for member in reversed(root.groups):
+                    if member is not group and member.to_run_forward:
+                        member.to_run_forward.clear()
+                        _end_forward(member, output)
         return output if policy is not None and policy.output_dtype is not None else None
+
+
+def _end_forward(group: ParamGroup, output: object) -> None:
+    """A group's post-forward: reshard (unless kept), hook ``output`` for its pre-backward."""
+    if group.reshards_after_forward:
+        group.reshard_after_forward_pass()
+    if group.root is not None:
+        group.root.record_post_forward(group)
+    group.phase = Phase.IDLE
+    if torch.is_grad_enabled():
+        for tensor in grad_tensors(output):
+            _torch.register_tensor_hook(tensor, group.pre_backward)
 
 
 _Tree = TypeVar("_Tree")
