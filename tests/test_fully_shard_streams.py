@@ -155,7 +155,8 @@ def test_hsdp_all_reduce_on_its_stream_after_the_reduce_scatter(backend: FakeBac
         log = _step(model, backend)
     assert log.count("all_reduce waits reduce_scatter") == 2
     index = log.index("all_reduce waits reduce_scatter")
-    assert log[index + 1] == "enter all_reduce"
+    # Its buffer, from the reduce-scatter stream, is not reused before the all-reduce is done.
+    assert log[index + 1 : index + 3] == ["record_stream all_reduce", "enter all_reduce"]
     expected = [f"compute waits event{n}@all_reduce" for n in _events(log, "all_reduce")]
     assert sorted(log[-2:]) == sorted(expected)
 
@@ -190,3 +191,20 @@ def test_user_unshard_runs_on_the_callers_stream(backend: FakeBackend) -> None:
         model.first.reshard()
     assert "enter copy_in" not in backend.log
     assert "enter all_gather" not in backend.log
+
+
+def test_post_forward_gather_waits_for_what_the_forward_kept(backend: FakeBackend) -> None:
+    """An int reshard_after_forward: backward's copy-in reads what forward kept, on compute."""
+    with fake_mesh((4,)) as flat:
+        torch.manual_seed(0)
+        model: Any = Model()
+        for module in (model.first, model.second):
+            fully_shard(module, mesh=flat, reshard_after_forward=2)
+        fully_shard(model, mesh=flat)
+        log = _step(model, backend)
+    gathers = [index for index, entry in enumerate(log) if entry == "enter copy_in"]
+    assert len(gathers) == 4  # 2 in forward, 2 in backward
+    for index in gathers[:2]:  # the shards: the copy-in waited once, at the root's forward
+        assert log[index - 1] != "copy_in waits compute"
+    for index in gathers[2:]:  # what forward kept, written on the compute stream
+        assert log[index - 1] == "copy_in waits compute"

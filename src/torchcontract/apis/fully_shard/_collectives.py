@@ -320,7 +320,7 @@ def _reduce(
     deferred: dict[int, Tensor],
     divide_factor: float | None,
     force_sum: bool,
-    all_reducing: Callable[[], AbstractContextManager[None]] | None,
+    all_reducing: Callable[[Tensor], AbstractContextManager[None]] | None,
 ) -> None:
     """Reduce-scatter ``flat``, all-reduce over replicas, store the shards' gradients."""
     world = group.size()
@@ -348,7 +348,7 @@ def _reduce(
         if deferred:  # only after a backward with the all-reduce off
             _take_deferred(parameters, reduced, deferred)
         if replicas > 1:
-            with _on(None if all_reducing is None else all_reducing()):
+            with _on(None if all_reducing is None else all_reducing(reduced)):
                 _torch.all_reduce(reduced, replicate_group).wait()
                 if averaging:
                     reduced.div_(replicas)

@@ -312,6 +312,8 @@ class ParamGroup:
             group, post_forward = self.process_group, False
         streams = self.streams if on_streams else None
         if streams is not None:
+            if post_forward:
+                streams.copy_in_waits_compute()
             return start_all_gather(
                 self.parameters,
                 group,

@@ -112,6 +112,13 @@ class CommStreams:
             self.backend.wait_stream(self.copy_in, current)
             self.backend.wait_stream(self.all_gather, current)
 
+    def copy_in_waits_compute(self) -> None:
+        """Before a gather of what a post-forward reshard kept: written on the compute stream.
+
+        FSDP2's ``_reshard_after_forward_event``, waited for by the all-gather streams.
+        """
+        self.backend.wait_stream(self.copy_in, self.backend.current_stream())
+
     def copying_in(self) -> AbstractContextManager[object]:
         """The all-gather's copy-in: on its own stream."""
         return self.backend.use(self.copy_in)
@@ -143,9 +150,15 @@ class CommStreams:
             yield
 
     @contextmanager
-    def all_reducing(self) -> Generator[None]:
-        """HSDP's all-reduce, after the reduce-scatter: on its own stream."""
+    def all_reducing(self, reduced: Tensor) -> Generator[None]:
+        """HSDP's all-reduce of ``reduced``, after the reduce-scatter: on its own stream.
+
+        ``reduced`` (allocated on the reduce-scatter stream) is recorded on the
+        all-reduce stream: the next reduce-scatter reuses its memory only after the
+        all-reduce is done with it (FSDP2 keeps a reference for that, PR #140044).
+        """
         self.backend.wait_stream(self.all_reduce, self.reduce_scatter)
+        self.backend.record_stream(reduced, self.all_reduce)
         with self.backend.use(self.all_reduce):
             yield
 
@@ -164,4 +177,7 @@ def streams_for(device_type: str) -> CommStreams | None:
     """The communication streams for a mesh of ``device_type``; None on the CPU."""
     if device_type in {"cpu", "meta"}:
         return None
+    module = torch.get_device_module(device_type)
+    if not all(hasattr(module, name) for name in ("Stream", "stream", "current_stream")):
+        return None  # an accelerator without a stream API: its collectives run in order
     return CommStreams(DeviceBackend(device_type))
