@@ -125,15 +125,6 @@ DIFFERENCES: Final = (
     ),
     Difference(
         "fully_shard",
-        "A list's group in forward",
-        "gathered before each module's forward, freed after it",
-        "gathered once, freed after the last module's forward",
-        "Each module of the list has its own hooks. The numbers are the same; shard the "
-        "modules separately where the extra all-gathers matter.",
-        "probe:list_reshards_after_each_module",
-    ),
-    Difference(
-        "fully_shard",
         "Forward prefetch on CPU",
         "the next group's all-gather starts early, in the previous iteration's order",
         "none on CPU: its overlap comes from accelerator streams",

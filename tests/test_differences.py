@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_module
+from torch.distributed.tensor import Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -69,25 +69,6 @@ def _fake_ranks(world: int) -> None:
 def _no_process_group() -> Call:
     assert not dist.is_initialized()
     return lambda: fully_shard(nn.Linear(2, 2))
-
-
-def _resharded_after_first(api: Callable[..., object]) -> bool:
-    """Whether the first module of a grouped list holds its shards again after its forward."""
-    first, second = nn.Linear(2, 2), nn.Linear(2, 2)
-    model = nn.Sequential(first, second)
-    mesh = init_device_mesh("cpu", (1,))
-    api([first, second], mesh=mesh, reshard_after_forward=True)
-    api(model, mesh=mesh)
-    seen: list[bool] = []
-    first.register_forward_hook(lambda *_: seen.append(isinstance(first.weight, DTensor)))
-    model(torch.randn(1, 2))
-    return seen == [True]
-
-
-def _list_reshards_after_each_module() -> None:
-    assert _resharded_after_first(fully_shard)
-    if _compat.REFERENCE_FULLY_SHARD_ON_CPU:  # FSDP2 keeps it until the last module's forward
-        assert not _resharded_after_first(torch_fully_shard)
 
 
 #: The arguments each accelerator-only method takes.
@@ -201,7 +182,6 @@ PROBES: dict[str, Probe] = {
     "dp_mesh_dims_replicate_only": _dp_mesh_dims_replicate_only,
     "int_reshard_with_shard_1": _int_reshard_with_shard_1,
     "int_reshard_with_tensor_parallel": _int_reshard_with_tensor_parallel,
-    "list_reshards_after_each_module": _list_reshards_after_each_module,
     "no_process_group": _no_process_group,
     "no_wrapper": _no_wrapper,
     "rank_local": _rank_local,

@@ -331,6 +331,23 @@ def test_a_list_application_under_a_root_trains_as_in_fsdp2() -> None:
     assert losses["ours"] == losses["torch"]
 
 
+def test_a_list_stays_gathered_until_its_last_modules_forward_as_in_fsdp2() -> None:
+    seen: dict[str, list[bool]] = {}
+    for name, apply in APPLIES.items():
+        first, second = nn.Linear(2, 2), nn.Linear(2, 2)
+        model = nn.Sequential(first, second)
+        apply([first, second], mesh=_mesh(), reshard_after_forward=True)
+        apply(model, mesh=_mesh())
+        found = seen[name] = []
+        first.register_forward_hook(
+            lambda *_, found=found, first=first: found.append(isinstance(first.weight, DTensor))
+        )
+        model(torch.randn(1, 2))
+        found.append(isinstance(first.weight, DTensor))
+    # Still gathered after the first module's forward; freed after the second's.
+    assert seen["ours"] == seen["torch"] == [False, True]
+
+
 class SkipsHead(nn.Module):
     """torchtitan's model under a chunked loss: its forward runs the norm, not the head."""
 

@@ -90,9 +90,9 @@ def mlp_loss(model: nn.Module, x: Tensor) -> Tensor:
 class NormMLP(nn.Module):
     """A pre-norm MLP on ``(batch, sequence, features)``: the norm under sequence parallelism."""
 
-    def __init__(self) -> None:
+    def __init__(self, norm: Callable[[int], nn.Module] = nn.LayerNorm) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(IN)
+        self.norm = norm(IN)
         self.up = nn.Linear(IN, HIDDEN)
         self.down = nn.Linear(HIDDEN, IN)
 
@@ -111,14 +111,22 @@ SEQUENCE_PARALLEL_PLAN: dict[str, ParallelStyle] = {
 
 
 def sequence_parallel_mlp(
-    shard: ShardFunction, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh
+    shard: ShardFunction,
+    dp_mesh: DeviceMesh,
+    tp_mesh: DeviceMesh,
+    *,
+    norm: Callable[[int], nn.Module] = nn.LayerNorm,
+    **options: object,
 ) -> nn.Module:
-    """Two ``NormMLP`` blocks: every parameter, the norms' too, a DTensor on ``tp_mesh``."""
+    """Two ``NormMLP`` blocks: every parameter, the norms' too, a DTensor on ``tp_mesh``.
+
+    ``options`` go to ``shard`` on each block.
+    """
     torch.manual_seed(0)
-    model = nn.Sequential(NormMLP(), NormMLP())
+    model = nn.Sequential(NormMLP(norm), NormMLP(norm))
     for block in model:
         parallelize_module(block, tp_mesh, SEQUENCE_PARALLEL_PLAN)
-        shard(block, mesh=dp_mesh)
+        shard(block, mesh=dp_mesh, **options)
     shard(model, mesh=dp_mesh)
     return model
 

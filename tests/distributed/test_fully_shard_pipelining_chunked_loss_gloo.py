@@ -7,16 +7,17 @@ a time, calling ``backward()`` on each chunk's loss, then hands the schedule a
 loss whose backward carries the chunks' gradient into the stage. Those backwards
 run in the middle of the schedule, before the stage's own input and weight
 backwards: they must leave the stage's gathered parameters in place, as FSDP2's
-do, or a microbatch's weight gradient is lost. A ``(pp, dp)`` mesh of 2 x 2;
-ours and PyTorch's ``fully_shard`` from the same seed, on the same data, under
-torchtitan's policy for pipelining (nothing reshards after forward); gradients
-and parameters must be equal to the bit after every step.
+do, or a microbatch's weight gradient is lost. The head sharded alone is checked
+too: its backwards then end with the end-of-backward callback, as FSDP2's. A
+``(pp, dp)`` mesh of 2 x 2; ours and PyTorch's ``fully_shard`` from the same seed,
+on the same data, under torchtitan's policy for pipelining (nothing reshards after
+forward); gradients and parameters must be equal to the bit after every step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final, cast
 
 import pytest
 import torch
@@ -32,6 +33,8 @@ from torchcontract.apis import fully_shard
 from torchcontract.testing import run_distributed
 
 Results = dict[str, Any]
+#: One rank's results, by schedule and whether the norm and head are one list.
+Runs = dict[tuple[str, bool], Results]
 Apply = Callable[..., Any]
 
 #: The schedules that split a stage's backward into input and weight backwards.
@@ -74,6 +77,9 @@ class _CarryGradient(torch.autograd.Function):
         return gradient * grad_output, None, None
 
 
+_carry_gradient: Final = cast(Callable[..., Tensor], _CarryGradient.apply)
+
+
 class ChunkedLoss:
     """torchtitan's chunked loss: the head per chunk, each chunk's backward at once."""
 
@@ -82,32 +88,31 @@ class ChunkedLoss:
 
     def __call__(self, hidden: Tensor, target: Tensor) -> Tensor:
         head = self.head
-        sharded = isinstance(head, FSDPModule)
+        sharded = head if isinstance(head, FSDPModule) else None
         detached = hidden.detach().requires_grad_()
         total = torch.zeros(())
-        if sharded:  # the head's weights stay gathered over the chunks, reduced once
-            head.set_reshard_after_forward(False)
-            head.set_reshard_after_backward(False)
-            head.set_requires_gradient_sync(False, recurse=False)
+        if sharded is not None:  # the head's weights stay gathered over the chunks
+            sharded.set_reshard_after_forward(False)
+            sharded.set_reshard_after_backward(False)
+            sharded.set_requires_gradient_sync(False, recurse=False)
         gradients = []
         chunks = [chunk.detach().requires_grad_() for chunk in detached.chunk(CHUNKS)]
         for index, (chunk, chunk_target) in enumerate(
             zip(chunks, target.chunk(CHUNKS), strict=True)
         ):
-            if sharded and index == CHUNKS - 1:
-                head.set_requires_gradient_sync(True, recurse=False)
+            if sharded is not None and index == CHUNKS - 1:
+                sharded.set_requires_gradient_sync(True, recurse=False)
             loss = ((head(chunk) - chunk_target) ** 2).mean() / CHUNKS
             loss.backward()
             total = total + loss.detach()
             assert chunk.grad is not None
             gradients.append(chunk.grad)
-        if sharded:
-            head.set_reshard_after_forward(True)
-            head.set_reshard_after_backward(True)
-            head.set_requires_gradient_sync(True, recurse=False)
-            head.reshard()
-        out: Tensor = _CarryGradient.apply(hidden, torch.cat(gradients), total)
-        return out
+        if sharded is not None:
+            sharded.set_reshard_after_forward(True)
+            sharded.set_reshard_after_backward(True)
+            sharded.set_requires_gradient_sync(True, recurse=False)
+            sharded.reshard()
+        return _carry_gradient(hidden, torch.cat(gradients), total)
 
 
 def _elsewhere(output: Tensor, target: Tensor) -> Tensor:
@@ -125,7 +130,7 @@ def _stage_indices(name: str, pp_rank: int) -> list[int]:
 class Pipeline:
     """The two stages of one ``pp`` rank, sharded over ``dp`` by ``apply``, and their schedule."""
 
-    def __init__(self, mesh: DeviceMesh, name: str, apply: Apply) -> None:
+    def __init__(self, mesh: DeviceMesh, name: str, apply: Apply, *, listed: bool) -> None:
         self.indices = _stage_indices(name, mesh["pp"].get_local_rank())
         self.last = 2 * PP - 1
         self.modules: list[Stage] = []
@@ -137,7 +142,8 @@ class Pipeline:
             # torchtitan's "default" policy under pipelining: nothing reshards after forward.
             apply(module.inner, mesh=mesh["dp"], reshard_after_forward=False)
             if module.norm is not None and module.output is not None:
-                apply([module.norm, module.output], mesh=mesh["dp"], reshard_after_forward=False)
+                head = [module.norm, module.output] if listed else module.output
+                apply(head, mesh=mesh["dp"], reshard_after_forward=False)
                 loss = ChunkedLoss(module.output)
             apply(module, mesh=mesh["dp"])
             self.modules.append(module)
@@ -176,10 +182,10 @@ class Pipeline:
         return found
 
 
-def _train(mesh: DeviceMesh, name: str) -> Results:
+def _train(mesh: DeviceMesh, name: str, *, listed: bool) -> Results:
     runs = {}
     for api, apply in (("ours", fully_shard), ("torch", torch_fully_shard)):
-        pipeline = Pipeline(mesh, name, apply)
+        pipeline = Pipeline(mesh, name, apply, listed=listed)
         losses, gradients = [], []
         for step in range(STEPS):
             losses.append(pipeline.step(step))
@@ -209,28 +215,34 @@ def _train(mesh: DeviceMesh, name: str) -> Results:
     }
 
 
-def _job(rank: int, world_size: int) -> Results:
+def _job(rank: int, world_size: int) -> Runs:
     mesh = init_device_mesh("cpu", (PP, world_size // PP), mesh_dim_names=("pp", "dp"))
-    return {name: _train(mesh, name) for name in SCHEDULES}
+    return {
+        (name, listed): _train(mesh, name, listed=listed)
+        for name in SCHEDULES
+        for listed in (True, False)
+    }
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[Results]:
+def ranks() -> list[Runs]:
     return run_distributed(_job, 4, timeout=300.0)
 
 
+@pytest.mark.parametrize("listed", [True, False], ids=["norm-and-head-listed", "head-alone"])
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_a_loss_that_runs_backward_in_the_last_stage_trains_as_torch_fully_shard(
-    ranks: list[Results], name: str
+    ranks: list[Runs], name: str, listed: bool
 ) -> None:
+    """The head sharded with the norm as one list (torchtitan's), or alone."""
     for result in ranks:
-        run = result[name]
+        run = result[name, listed]
         assert run["losses"] == run["their_losses"]
         assert run["gradient_names"] == run["their_gradient_names"]
         assert run["unequal_gradients"] == []
         assert run["parameter_names"]
         assert run["unequal_parameters"] == []
     assert (
-        sum(len(step) for result in ranks for step in result[name]["losses"])
+        sum(len(step) for result in ranks for step in result[name, listed]["losses"])
         == 2 * STEPS * MICROBATCHES
     )

@@ -366,18 +366,21 @@ class ManagedParameter:
     # ----------------------------------------------------------------- gradients
 
     def take_unsharded_grad(self) -> Tensor | None:
-        """The unsharded gradient accumulated since the last reduction, taken off the parameter."""
+        """The unsharded gradient accumulated since the last reduction, taken off the parameter.
+
+        Under tensor parallelism a ``Partial`` gradient is summed over the
+        tensor-parallel ranks once, here, after the backwards kept without sync were
+        added to it in the reduce dtype (FSDP2's ``unsharded_accumulated_grad_data``).
+        """
         grad = None
         if self.unsharded is not None:
             grad, self.unsharded.grad = self.unsharded.grad, None
-            if grad is not None:
-                grad = self.layout.local_grad(grad)
         accumulated, self._accumulated = self._accumulated, None
-        if accumulated is None:
-            return grad
-        if grad is not None:
-            accumulated.add_(grad)
-        return accumulated
+        if accumulated is not None:
+            if grad is not None:
+                accumulated.add_(grad)
+            grad = accumulated
+        return None if grad is None else self.layout.local_grad(grad)
 
     def unsharded_zero_grad(self) -> Tensor | None:
         """Zeros as the unsharded gradient of a parameter gathered but unused (None if never)."""
@@ -390,7 +393,9 @@ class ManagedParameter:
         """Keep the gradient for a later reduction, in ``reduce_dtype`` if that differs.
 
         As FSDP2 does without gradient sync: gradients of several backwards add up
-        in the reduce dtype, not in the (lower) parameter dtype.
+        in the reduce dtype, not in the (lower) parameter dtype. A tensor-parallel
+        gradient stays as autograd made it (a ``DTensor``, maybe ``Partial``): it is
+        redistributed once, at the reduction (``take_unsharded_grad``).
         """
         if self.unsharded is None or self.unsharded.grad is None:
             return
@@ -398,7 +403,6 @@ class ManagedParameter:
         if reduce_dtype is None or grad.dtype == reduce_dtype:
             return  # autograd keeps adding to it
         self.unsharded.grad = None
-        grad = self.layout.local_grad(grad)
         if self._accumulated is None:
             self._accumulated = grad.to(reduce_dtype)
         else:
