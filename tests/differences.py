@@ -93,8 +93,6 @@ OLDEST_TORCH: Final = (2, 6)
 
 ACCELERATOR_METHODS: Final = (
     "set_post_optim_event",
-    "set_custom_all_gather",
-    "set_custom_reduce_scatter",
     "set_allocate_memory_from_process_group_for_comm",
     "set_symm_mem_for_comm",
     "set_reduce_scatter_max_input_buffers",
@@ -144,7 +142,7 @@ DIFFERENCES: Final = (
     ),
     Difference(
         "fully_shard",
-        "`set_post_optim_event`, `set_custom_all_gather`, `set_custom_reduce_scatter`, "
+        "`set_post_optim_event`, "
         "`set_allocate_memory_from_process_group_for_comm`, `set_symm_mem_for_comm`, "
         "`set_reduce_scatter_max_input_buffers`, `set_separate_reduce_scatter_group`",
         "refused",

@@ -74,8 +74,6 @@ def _no_process_group() -> Call:
 #: The arguments each accelerator-only method takes.
 _ACCELERATOR_ARGUMENTS: dict[str, tuple[object, ...]] = {
     "set_post_optim_event": (None,),
-    "set_custom_all_gather": (None,),
-    "set_custom_reduce_scatter": (None,),
     "set_allocate_memory_from_process_group_for_comm": (True,),
     "set_symm_mem_for_comm": (),
     "set_reduce_scatter_max_input_buffers": (2,),

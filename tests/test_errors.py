@@ -10,6 +10,7 @@ from torch import nn
 
 import torchcontract
 from torchcontract import (
+    AllGatherExtensionError,
     AlreadyAppliedError,
     AlreadyManagedError,
     ArgumentBindingError,
@@ -61,6 +62,7 @@ from torchcontract import (
         (InvalidShardDimError, (ValueError, AssertionError)),
         (ReplacedParameterError, (ContractError, AttributeError)),
         (UnusedParameterError, (ContractError,)),
+        (AllGatherExtensionError, (ContractError, AssertionError)),
     ],
 )
 def test_error_has_its_documented_bases(error: type[Exception], bases: tuple[type, ...]) -> None:
@@ -71,6 +73,7 @@ def test_every_error_is_exported() -> None:
     errors = [name for name in torchcontract.__all__ if name.endswith("Error")]
     assert sorted(errors) == sorted(
         [
+            "AllGatherExtensionError",
             "AlreadyAppliedError",
             "AlreadyManagedError",
             "ArgumentBindingError",

@@ -37,8 +37,6 @@ from torchcontract.apis.fully_shard._managed import MANAGED
 #: The methods refused with NotImplementedError: only an accelerator's collectives use them.
 ACCELERATOR_ONLY: dict[str, Callable[[Any], object]] = {
     "set_post_optim_event": lambda module: fsdp(module).set_post_optim_event(torch.Event()),
-    "set_custom_all_gather": lambda module: fsdp(module).set_custom_all_gather(object()),
-    "set_custom_reduce_scatter": lambda module: fsdp(module).set_custom_reduce_scatter(object()),
     "set_allocate_memory_from_process_group_for_comm": lambda module: fsdp(
         module
     ).set_allocate_memory_from_process_group_for_comm(True),

@@ -9,6 +9,7 @@ from ._contract import Contract, ModuleContract, ModuleListContract, ModuleSeque
 from ._decorator import ContractDecorator, EmptyState, contract
 from ._describe import describe
 from ._errors import (
+    AllGatherExtensionError,
     AlreadyAppliedError,
     AlreadyManagedError,
     ArgumentBindingError,
@@ -46,6 +47,7 @@ from ._tree import named_tree, root_modules
 __version__: Final = "0.2.0.dev0"
 
 __all__ = [
+    "AllGatherExtensionError",
     "AlreadyAppliedError",
     "AlreadyManagedError",
     "AnyContract",

@@ -7,6 +7,7 @@ whole repr) and what to do instead.
 from __future__ import annotations
 
 __all__ = [
+    "AllGatherExtensionError",
     "AlreadyAppliedError",
     "AlreadyManagedError",
     "ArgumentBindingError",
@@ -90,6 +91,14 @@ class ReplacedParameterError(ContractError, AttributeError):
     Raised at the first forward, where FSDP2 re-reads the parameters: the new one
     is not a ``DTensor`` (FSDP2 fails with ``AttributeError``) or not laid out as the
     shard it replaces (a ``RuntimeError``, as this class is).
+    """
+
+
+class AllGatherExtensionError(ContractError, AssertionError):
+    """A shard's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` break FSDP2's protocol.
+
+    One of the two defined without the other, a hook of another signature, inputs
+    not padded as the shard is: an ``AssertionError`` too, as FSDP2 raises.
     """
 
 

@@ -17,7 +17,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from .. import _torch
-from . import _copies
+from . import _comms, _copies
+from ._comms import AllGatherComm, ReduceScatterComm
 from ._sharding import ManagedParameter
 from ._streams import CommStreams
 
@@ -105,6 +106,7 @@ def start_all_gather(
     *,
     async_op: bool,
     post_forward: bool = False,
+    comm: AllGatherComm | None = None,
     streams: CommStreams | None = None,
 ) -> PendingGather:
     """Start the all-gather of ``parameters``: one collective per dtype, in their order.
@@ -112,7 +114,8 @@ def start_all_gather(
     With ``async_op`` the collectives run while the caller computes (gloo runs them
     on its own threads); without, they are done when this returns. With
     ``post_forward``, each rank sends what it kept after forward, over ``group`` (the
-    post-forward mesh's shard group) instead of its shard.
+    post-forward mesh's shard group) instead of its shard. ``comm``
+    (``set_custom_all_gather``) allocates the output and runs each collective.
 
     With ``streams`` (an accelerator), the copy-in runs on its stream and the
     collective on the all-gather stream, and ``finish`` orders the copy-out after it
@@ -125,7 +128,7 @@ def start_all_gather(
     for same_dtype in _by_dtype(parameters, [parameter.param_dtype for parameter in parameters]):
         chosen = [parameters[index] for index in same_dtype]
         dtype = chosen[0].param_dtype
-        batched = not post_forward and _copies.batched(chosen)
+        batched = comm is None and not post_forward and _copies.batched(chosen)
         if batched and world == 1:
             _copies.copy_shards(chosen, dtype)
             parts.append(_Part(chosen, None, None, world, batched=True))
@@ -140,11 +143,21 @@ def start_all_gather(
                         for parameter in chosen
                     ]
                 )
-                gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
-                if world == 1:
-                    gathered.copy_(flat)
+                numel = world * flat.numel()
+                if comm is not None:
+                    gathered = _comms.allocate(comm, numel, flat.dtype, flat.device)
+                else:
+                    gathered = torch.empty(numel, dtype=flat.dtype, device=flat.device)
+                    if world == 1:
+                        gathered.copy_(flat)
         with _on(streams.gathering() if streams is not None else None):
-            if world == 1:
+            if comm is not None:
+                work = _comms.all_gather(
+                    comm, gathered, flat, group, async_op=async_op and streams is None
+                )
+                if work is not None:
+                    works.append(work)
+            elif world == 1:
                 pass
             elif async_op and streams is None:
                 works.append(_torch.all_gather_into_async(gathered, flat, group))
@@ -204,6 +217,7 @@ def reduce_scatter(
     deferred: dict[int, Tensor] | None = None,
     divide_factor: float | None = None,
     force_sum: bool = False,
+    comm: ReduceScatterComm | None = None,
     streams: CommStreams | None = None,
 ) -> list[torch.Event]:
     """Average ``grads`` (unsharded, one per parameter) over ``group`` into the sharded ``.grad``.
@@ -229,6 +243,11 @@ def reduce_scatter(
     sum: ``hook`` sees the sum, divided by the factor (or the mesh's size) after it,
     as FSDP2 divides after its sums.
 
+    ``comm`` (``set_custom_reduce_scatter``) allocates the input and output buffers
+    and runs each reduce-scatter, with the op FSDP2 would pass (``AVG`` to average
+    over the shard group, else ``SUM`` of the inputs, premultiplied by ``1 / factor``
+    where FSDP2 sends ``PREMUL_SUM``).
+
     With ``streams`` (an accelerator) each reduction runs on the reduce-scatter
     stream (HSDP's all-reduce on its own), once it waits for the caller's; returned:
     the events the end of backward waits for (none on the CPU).
@@ -247,6 +266,7 @@ def reduce_scatter(
             deferred={} if deferred is None else deferred,
             divide_factor=divide_factor,
             force_sum=force_sum,
+            comm=comm,
             streams=streams,
         )
         if event is not None:
@@ -266,6 +286,7 @@ def _reduce_scatter_one_dtype(
     deferred: dict[int, Tensor],
     divide_factor: float | None,
     force_sum: bool,
+    comm: ReduceScatterComm | None,
     streams: CommStreams | None,
 ) -> torch.Event | None:
     world = group.size()
@@ -298,6 +319,7 @@ def _reduce_scatter_one_dtype(
             deferred=deferred,
             divide_factor=divide_factor,
             force_sum=force_sum,
+            comm=comm,
             all_reducing=None if streams is None else streams.all_reducing,
         )
         if streams is not None and last is not None:
@@ -320,6 +342,7 @@ def _reduce(
     deferred: dict[int, Tensor],
     divide_factor: float | None,
     force_sum: bool,
+    comm: ReduceScatterComm | None,
     all_reducing: Callable[[Tensor], AbstractContextManager[None]] | None,
 ) -> None:
     """Reduce-scatter ``flat``, all-reduce over replicas, store the shards' gradients."""
@@ -327,7 +350,9 @@ def _reduce(
     replicas = 1 if replicate_group is None else replicate_group.size()
     # Whether the all-reduce averages (no factor, no forced sum) or only sums.
     averaging = divide_factor is None and not force_sum
-    if world == 1:  # the flat input is this rank's alone: reduced in place
+    if comm is not None:
+        reduced = _custom_reduce_scatter(comm, flat, group, divide_factor, force_sum)
+    elif world == 1:  # the flat input is this rank's alone: reduced in place
         reduced = flat
         unforced = divide_factor if not force_sum else None
         if unforced is not None:
@@ -401,6 +426,36 @@ def _slices(parameters: Sequence[ManagedParameter], reduced: Tensor) -> list[Ten
         slices.append(reduced[offset : offset + parameter.padded_shard_numel])
         offset += parameter.padded_shard_numel
     return slices
+
+
+def _custom_reduce_scatter(
+    comm: ReduceScatterComm,
+    flat: Tensor,
+    group: dist.ProcessGroup,
+    divide_factor: float | None,
+    force_sum: bool,
+) -> Tensor:
+    """Reduce-scatter ``flat`` through ``comm``, as FSDP2's ``foreach_reduce`` calls it.
+
+    Its buffers come from ``comm.allocate``; a shard group of one only copies (and
+    divides by the factor), as FSDP2's.
+    """
+    world = group.size()
+    staged = _comms.allocate(comm, flat.numel(), flat.dtype, flat.device)
+    staged.copy_(flat)
+    reduced = _comms.allocate(comm, flat.numel() // world, flat.dtype, flat.device)
+    if world == 1:
+        unforced = divide_factor if not force_sum else None
+        reduced.copy_(staged if unforced is None else staged.div(unforced))
+        return reduced
+    op = dist.ReduceOp.SUM
+    if not force_sum:
+        if divide_factor is None or divide_factor == world:
+            op = dist.ReduceOp.AVG
+        else:  # FSDP2's PREMUL_SUM(1 / factor), which gloo lacks: the same product, summed
+            staged.mul_(1 / divide_factor)
+    comm(output_tensor=reduced, input_tensor=staged, group=group, op=op)
+    return reduced
 
 
 def _defer(

@@ -40,6 +40,7 @@ from torchcontract import UnmaterializedParameterError, module_label
 
 from .. import _torch
 from ._collectives import PendingGather, reduce_scatter, start_all_gather
+from ._extended_gather import detect, start_extended_gather
 from ._sharding import ManagedParameter
 from ._state import FullyShardState
 from ._streams import CommStreams
@@ -185,6 +186,8 @@ class ParamGroup:
         # the user's post-optimizer event for the next forward's copy-in.
         self.reduce_events: list[torch.Event] = []
         self.post_optim_event: torch.Event | None = None
+        # Whether a shard defines FSDP2's all-gather extension hooks (found at lazy init).
+        self.extended = False
         # A list's application: ids of its modules yet to run forward in this pass (FSDP2's
         # ``_modules_to_run_forward``); its post-forward waits for the last of them.
         self.to_run_forward: set[int] = set()
@@ -278,6 +281,7 @@ class ParamGroup:
         where = module_label(modules[0]) if modules else "a freed module"
         for parameter in self.parameters:
             parameter.adopt_replaced(where)
+        self.extended = detect(self.parameters, f"fully_shard on {where}")
 
     def unshard(self) -> None:
         """All-gather the parameters and register the unsharded ones (no-op if unsharded).
@@ -305,25 +309,49 @@ class ParamGroup:
         prefetch), whose copy-in streams waited for the optimizer; the user's
         ``unshard()`` runs on the caller's stream.
         """
+        record = self.record() or FullyShardState()
+        if self.extended:  # a shard defines FSDP2's all-gather hooks
+            return self._start_extended_gather(record, async_op=async_op)
+        comm = record.all_gather_comm
         if self.post_forward and self.post_forward_group is not None:
             self.post_forward = False
             group, post_forward = self.post_forward_group, True
         else:
             group, post_forward = self.process_group, False
         streams = self.streams if on_streams else None
-        if streams is not None:
-            if post_forward:
-                streams.copy_in_waits_compute()
+        if streams is not None and post_forward:
+            streams.copy_in_waits_compute()
+        if streams is not None or comm is not None:
             return start_all_gather(
                 self.parameters,
                 group,
                 async_op=async_op,
                 post_forward=post_forward,
+                comm=comm,
                 streams=streams,
             )
+        # The plain call (a test records the gathers by replacing this function).
         if post_forward:
             return start_all_gather(self.parameters, group, async_op=async_op, post_forward=True)
         return start_all_gather(self.parameters, group, async_op=async_op)
+
+    def _start_extended_gather(self, record: FullyShardState, *, async_op: bool) -> PendingGather:
+        """``_start_gather`` for a group where a shard defines the all-gather hooks.
+
+        On the caller's stream, also on an accelerator (its copies are the hooks').
+        """
+        group, post_forward = self.process_group, False
+        if self.post_forward and self.post_forward_group is not None:
+            self.post_forward = False
+            group, post_forward = self.post_forward_group, True
+        return start_extended_gather(
+            self.parameters,
+            group,
+            async_op=async_op,
+            post_forward=post_forward,
+            comm=record.all_gather_comm,
+            mp_policy=record.mp_policy,
+        )
 
     def prefetch(self, *, requested: bool = False) -> None:
         """Start the all-gather now, on gloo's threads; ``unshard`` waits for it.
@@ -474,6 +502,7 @@ class ParamGroup:
                 deferred=self.deferred,
                 divide_factor=record.gradient_divide_factor,
                 force_sum=record.force_sum_reduction,
+                comm=record.reduce_scatter_comm,
                 streams=self.streams,
             )
             self.reduced = True

@@ -36,6 +36,7 @@ from torchcontract import ContractError, NotAppliedError, module_label
 
 from .. import _compat
 from .._swapped_class import original_class, reduce_as_original, restore_class, swapped_class
+from ._comms import AllGatherComm, ReduceScatterComm
 from ._group import ParamGroup
 from ._managed import MANAGED
 from ._prefetch import set_modules_to_backward_prefetch, set_modules_to_forward_prefetch
@@ -258,13 +259,25 @@ class FullyShardModule(FSDPModule):
             _accelerator_only(self, "set_post_optim_event", "an event on the all-gather streams")
         group.post_optim_event = event
 
-    def set_custom_all_gather(self, comm: object) -> NoReturn:
-        """Refused: custom all-gather kernels and buffers (FSDP2's ``AllGather``)."""
-        _accelerator_only(self, "set_custom_all_gather", "a custom all-gather kernel")
+    def set_custom_all_gather(self, comm: AllGatherComm) -> None:
+        """Run this module's parameter all-gathers through ``comm`` (FSDP2's ``AllGather``).
 
-    def set_custom_reduce_scatter(self, comm: object) -> NoReturn:
-        """Refused: custom reduce-scatter kernels and buffers (FSDP2's ``ReduceScatter``)."""
-        _accelerator_only(self, "set_custom_reduce_scatter", "a custom reduce-scatter kernel")
+        ``comm.allocate((numel,), dtype=..., device=...)`` gives each all-gather's
+        output buffer and ``comm(output_tensor=..., input_tensor=..., group=...,
+        async_op=...)`` runs it, returning its ``Work`` when ``async_op`` (a
+        prefetch). This module's application only, as FSDP2's.
+        """
+        _update(self, False, lambda record: attrs.evolve(record, all_gather_comm=comm))
+
+    def set_custom_reduce_scatter(self, comm: ReduceScatterComm) -> None:
+        """Run this module's gradient reduce-scatters through ``comm`` (FSDP2's ``ReduceScatter``).
+
+        ``comm.allocate`` gives the input and output buffers and ``comm(output_tensor=...,
+        input_tensor=..., group=..., op=...)`` runs it with FSDP2's op (``AVG``, or
+        ``SUM`` with the gradient divide factor applied before). This module's
+        application only, as FSDP2's.
+        """
+        _update(self, False, lambda record: attrs.evolve(record, reduce_scatter_comm=comm))
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> NoReturn:
         """Refused: staging buffers from the process group's allocator (NCCL zero-copy)."""

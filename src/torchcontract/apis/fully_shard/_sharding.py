@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torchcontract import ReplacedParameterError
 
 from .. import _torch
+from ._extension import Extension
 from ._layout import Layout, local_tensor
 
 __all__ = ["Location", "ManagedParameter", "as_dtensor", "new_origin"]
@@ -97,7 +98,18 @@ class ManagedParameter:
         start = min(self.rank * self.chunk_rows, self.rows)
         with torch.no_grad():
             whole = local_tensor(parameter).detach()
-            local = whole.narrow(self.dim, start, self.local_rows).contiguous().clone()
+            # torch.chunk and new_zeros + copy_, as FSDP2 splits and copies: tensor subclasses
+            # implement those (NF4's clone would quantize its data again).
+            chunks = torch.chunk(whole, self.world, dim=self.dim)
+            if self.rank < len(chunks):
+                chunk = chunks[self.rank]
+            else:
+                chunk = whole.narrow(self.dim, start, self.local_rows)
+            if type(chunk) is Tensor:
+                local = chunk.contiguous().clone()
+            else:
+                local = chunk.new_zeros(chunk.shape)
+                local.copy_(chunk)
             sharded = self.layout.sharded(local)
         self.sharded = nn.Parameter(sharded, requires_grad=parameter.requires_grad)
         # FSDP2's post-forward mesh (an int reshard_after_forward): after forward, each
@@ -121,6 +133,10 @@ class ManagedParameter:
         self._source: Tensor | None = None
         self._flat_source: Tensor | None = None
         self.unsharded: nn.Parameter | None = None
+        # The data-parallel mesh, and the all-gather extension of the shard's local tensor
+        # (its fsdp_pre/post_all_gather), found at lazy init (``_extended_gather.detect``).
+        self.mesh = mesh
+        self.extension: Extension | None = None
         # Gradients kept unreduced (no_sync) in the reduce dtype, when it differs.
         self._accumulated: Tensor | None = None
 
@@ -221,6 +237,14 @@ class ManagedParameter:
         with torch.no_grad():
             return as_dtensor(self.sharded).to_local()
 
+    def local_tensor(self) -> Tensor:
+        """The shard's local tensor object itself, where extension hooks are defined (FSDP2's).
+
+        Not ``to_local()``: on a ``Parameter`` of a ``DTensor`` newer torch returns a
+        view of it there, which does not carry the hooks set on the tensor.
+        """
+        return as_dtensor(self.sharded)._local_tensor
+
     # ----------------------------------------------------------------- all-gather
 
     def gather_input(self) -> Tensor:
@@ -300,6 +324,30 @@ class ManagedParameter:
         assert self.unsharded is not None
         self.install(self.unsharded)
 
+    @property
+    def padded_shard_shape(self) -> torch.Size:
+        """The split tensor's shape with ``chunk_rows`` slices: a padded shard's."""
+        return self._with_rows(self.chunk_rows)
+
+    def unshard_extended(self, extension: Extension) -> None:
+        """Make or refill the unsharded parameter with the post-all-gather, and register it.
+
+        ``extension``'s outputs hold the gathered data. The first time the hook's
+        tensor becomes the unsharded parameter (the TP ``DTensor`` of it under tensor
+        parallelism), as FSDP2's ``init_unsharded_param``; then it refills it in place.
+        """
+        made = extension.unshard(self.local_tensor(), self.param_dtype, self.unsharded)
+        if made is not None:
+            stride = torch.empty(self.shape, device="meta").stride()
+            unsharded = torch.as_strided(made, self.shape, stride, 0)
+            self.unsharded = nn.Parameter(
+                self.layout.unsharded(unsharded), requires_grad=self.sharded.requires_grad
+            )
+        assert self.unsharded is not None
+        if self.unsharded.requires_grad != self.sharded.requires_grad:
+            self.unsharded.requires_grad_(self.sharded.requires_grad)
+        self.install(self.unsharded)
+
     def _split_view(self, tensor: Tensor) -> Tensor:
         """``tensor`` (of the split tensor's numel) with the sharded dim as ``(world, c)``."""
         shape = (*self.shape[: self.dim], self.world, self.chunk_rows, *self.shape[self.dim + 1 :])
@@ -334,10 +382,19 @@ class ManagedParameter:
         self._post_forward_data = None
         if self._gathered is not None:
             self._gathered.untyped_storage().resize_(0)
+        if self.extension is not None:
+            self.extension.kept = []
+            self.extension.free()
 
     def reshard_post_forward(self) -> None:
         """Keep this rank's 1/N of the gathered rows, register them, free the rest (FSDP2's)."""
         mesh, gathered = self.post_forward_mesh, self._gathered
+        if mesh is not None and self.extension is not None:
+            # The gathered pre-all-gather outputs are kept (FSDP2 refuses this at backward);
+            # the sharded parameter stands registered until backward gathers them again.
+            self.extension.keep(self.post_forward_rank, mesh.size(1))
+            self.install(self.sharded)
+            return
         if mesh is None or gathered is None:
             raise RuntimeError(f"fully_shard: {self.fqn!r} has no post-forward mesh or gather")
         start = self.post_forward_rank * self.post_forward_numel

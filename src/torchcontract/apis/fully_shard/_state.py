@@ -9,6 +9,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
+from ._comms import AllGatherComm, ReduceScatterComm
+
 __all__ = ["FullyShardState"]
 
 
@@ -56,3 +58,5 @@ class FullyShardState:
     is_last_backward: bool = True
     all_reduce_hook: Callable[[Tensor], None] | None = None
     all_reduce_hook_stream: object | None = None  # FSDP2's: a CUDA stream (any device's here)
+    all_gather_comm: AllGatherComm | None = None
+    reduce_scatter_comm: ReduceScatterComm | None = None

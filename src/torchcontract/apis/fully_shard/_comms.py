@@ -1,0 +1,83 @@
+"""Custom collectives (FSDP2's ``AllGather`` / ``ReduceScatter``): their shape, how each is called.
+
+``FullyShardModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` take
+an object that allocates the collective's buffer and runs the collective, as
+FSDP2's ``Comm`` interface (``allocate(size, *, dtype, device)`` and a call with
+keyword arguments): a subclass of torch's ``AllGather`` / ``ReduceScatter`` where
+this torch has them, or any object of that shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import _torch
+
+__all__ = ["AllGatherComm", "ReduceScatterComm", "all_gather", "allocate"]
+
+
+class _Comm(Protocol):
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """The buffer the collective reads or writes."""
+        ...
+
+
+class AllGatherComm(_Comm, Protocol):
+    """FSDP2's ``AllGather``: ``output`` gets every rank's ``input``, by rank."""
+
+    def __call__(
+        self,
+        output_tensor: Tensor,
+        input_tensor: Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None: ...
+
+
+class ReduceScatterComm(_Comm, Protocol):
+    """FSDP2's ``ReduceScatter``: ``output`` gets this rank's slice of ``input`` reduced."""
+
+    def __call__(
+        self,
+        output_tensor: Tensor,
+        input_tensor: Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType,
+        async_op: bool = False,
+    ) -> dist.Work | None: ...
+
+
+def allocate(comm: _Comm | None, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A flat buffer of ``numel``: from ``comm``'s allocator if given, else ``torch.empty``."""
+    if comm is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    return comm.allocate((numel,), dtype=dtype, device=device)
+
+
+def all_gather(
+    comm: AllGatherComm | None,
+    output: Tensor,
+    input: Tensor,
+    group: dist.ProcessGroup,
+    *,
+    async_op: bool,
+) -> dist.Work | None:
+    """``output`` gets every rank's ``input``: through ``comm`` if given (always, as FSDP2 does).
+
+    Without ``comm``, one rank copies; else ``torch.distributed``'s all-gather. With
+    ``async_op``, the handle to wait on, if the collective gave one.
+    """
+    if comm is not None:
+        return comm(output_tensor=output, input_tensor=input, group=group, async_op=async_op)
+    if group.size() == 1:
+        output.copy_(input)
+        return None
+    if async_op:
+        return _torch.all_gather_into_async(output, input, group)
+    _torch.all_gather_into(output, input, group)
+    return None
