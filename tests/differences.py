@@ -181,6 +181,17 @@ DIFFERENCES: Final = (
     ),
     Difference(
         "fully_shard",
+        "An int `reshard_after_forward` with a parameter whose shard defines "
+        "`fsdp_pre_all_gather`/`fsdp_post_all_gather`",
+        "taken",
+        "refused (`AssertionError` after forward, or `NotImplementedError` in backward)",
+        "The all-gather outputs forward's hooks made are kept, a share per rank, and gathered "
+        "again over the smaller mesh in backward; the pre-all-gather runs in forward only.",
+        _DISTRIBUTED + "test_fully_shard_extensions_gloo.py"
+        "::test_a_post_forward_mesh_gathers_the_kept_hook_outputs",
+    ),
+    Difference(
+        "fully_shard",
         "`shard_placement_fn` returning a `ShardPlacementResult` (a placement with its own mesh)",
         "refused",
         "taken",

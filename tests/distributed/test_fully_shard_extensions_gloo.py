@@ -24,13 +24,17 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from torchcontract import AllGatherExtensionError
 from torchcontract.apis import fully_shard
+from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.testing import run_distributed
 
 Results = dict[str, Any]
 APIS: dict[str, Callable[..., Any]] = {"ours": fully_shard, "torch": torch_fully_shard}
+#: The APIs the jobs run: FSDP2 only where it runs on CPU (the tests beside it skip elsewhere).
+RUN: tuple[str, ...] = ("ours", "torch") if REFERENCE_FULLY_SHARD_ON_CPU else ("ours",)
 
 
 class MLP(nn.Module):
@@ -242,13 +246,49 @@ def _post_forward_mesh(api: str, rank: int, resharding: bool | int) -> Results:
     }
 
 
-def _post_forward_job(rank: int, world: int) -> dict[str, Results]:
-    return {
-        "ours/2": _post_forward_mesh("ours", rank, 2),
-        "ours/True": _post_forward_mesh("ours", rank, True),
-        "torch/2": _post_forward_mesh("torch", rank, 2),
-        "torch/True": _post_forward_mesh("torch", rank, True),
-    }
+def _tensor_parallel(api: str, rank: int) -> Results:
+    """Hooks on the shards of tensor-parallel weights: a (dp 2, tp 2) mesh."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    seen: list[tuple[int, tuple[int, ...]]] = []
+
+    def pre(self: Tensor, given: Any, size: Any, stride: Any, module: Any, policy: Any) -> Any:  # noqa: PLR0917
+        seen.append((given.size(), tuple(size)))
+        return (self.to(torch.bfloat16),), None
+
+    @torch.no_grad()
+    def post(
+        self: Tensor, outputs: Any, metadata: Any, dtype: torch.dtype, *, out: Any = None
+    ) -> Any:
+        (tensor,) = outputs
+        if out is not None:  # the unsharded parameter: a TP DTensor, as FSDP2 passes it
+            with _unsafe_preserve_version_counter(out):
+                _local(out).copy_(tensor)
+            return None
+        upcast = tensor.to(dtype)
+        return upcast, (tensor, upcast)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(MLP(8), MLP(8))
+    for mlp in model:
+        parallelize_module(
+            mlp, mesh["tp"], {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
+        )
+        APIS[api](mlp, mesh=mesh["dp"])
+    APIS[api](model, mesh=mesh["dp"])
+    for name, parameter in model.named_parameters():
+        if "weight" in name:
+            _set_hooks(parameter, pre, post)
+    losses = _train(model, rank)
+    return {"losses": losses, "full": _full(model), "seen": sorted(set(seen))}
+
+
+def _four_rank_job(rank: int, world: int) -> dict[str, Results]:
+    results: dict[str, Results] = {}
+    for api in RUN:
+        results[f"{api}/2"] = _post_forward_mesh(api, rank, 2)
+        results[f"{api}/True"] = _post_forward_mesh(api, rank, True)
+        results[f"tp/{api}"] = _tensor_parallel(api, rank)
+    return results
 
 
 class _CountingAllGather:
@@ -304,7 +344,7 @@ def _custom_comms(api: str, rank: int) -> Results:
 
 def _job(rank: int, world: int) -> dict[str, Results]:
     results: dict[str, Results] = {}
-    for api in APIS:
+    for api in RUN:
         results[f"int8/{api}"] = _int8(api, rank, {})
         results[f"int8_mp/{api}"] = _int8(
             api, rank, {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}
@@ -369,18 +409,42 @@ def test_gathers_int8_with_the_hooks(ranks: list[dict[str, Results]]) -> None:
 def test_monkey_patched_hooks_run(ranks: list[dict[str, Results]]) -> None:
     for results in ranks:
         assert results["monkey/ours"]["ran"] == ["post", "pre"]
+        # 6 weights, gathered in 3 forwards and 3 backwards: pre and post each time.
+        assert results["monkey/ours"]["count"] == 6 * 6 * 2
+
+
+@needs_reference_fully_shard
+def test_monkey_patched_hooks_run_as_often_as_fsdp2s(ranks: list[dict[str, Results]]) -> None:
+    for results in ranks:
         assert results["monkey/ours"]["count"] == results["monkey/torch"]["count"]
 
 
 def test_pre_all_gather_gets_the_shard_mesh_of_hsdp(ranks: list[dict[str, Results]]) -> None:
     for results in ranks:
         assert results["hsdp/ours"]["seen"] == [(1, 1)]
+
+
+@needs_reference_fully_shard
+def test_fsdp2_gives_the_same_hsdp_shard_mesh(ranks: list[dict[str, Results]]) -> None:
+    for results in ranks:
         assert results["hsdp/torch"]["seen"] == [(1, 1)]
 
 
 @pytest.fixture(scope="module")
 def post_forward_ranks() -> list[dict[str, Results]]:
-    return run_distributed(_post_forward_job, 4, timeout=240)
+    return run_distributed(_four_rank_job, 4, timeout=240)
+
+
+@needs_reference_fully_shard
+def test_tensor_parallel_shards_take_the_hooks_as_fsdp2(
+    post_forward_ranks: list[dict[str, Results]],
+) -> None:
+    for results in post_forward_ranks:
+        ours, theirs = results["tp/ours"], results["tp/torch"]
+        # The dp mesh, and the TP-local shapes: in_proj's (16, 8), out_proj's (8, 16).
+        assert ours["seen"] == theirs["seen"] == [(2, (8, 16)), (2, (16, 8))]
+        assert ours["losses"] == theirs["losses"]
+        _same(ours["full"], theirs["full"])
 
 
 @needs_reference_fully_shard
@@ -418,6 +482,15 @@ def test_a_post_forward_mesh_gathers_the_kept_hook_outputs(
         assert [size for _, size in smaller["gathers"]] == [
             size * (2 if index % 4 >= 2 else 1) for index, size in enumerate(forward)
         ]
+
+
+def test_custom_comms_run_every_collective(ranks: list[dict[str, Results]]) -> None:
+    for results in ranks:
+        ours = results["comms/ours"]
+        # 2 groups of 276 elements a rank (the root has none): gathered in 3 forwards and 3
+        # backwards, reduced in 3 backwards, averaged (FSDP2's op for float32).
+        assert ours["gathers"] == [276] * 12
+        assert ours["scatters"] == [(552, str(dist.ReduceOp.AVG))] * 6
 
 
 @needs_reference_fully_shard

@@ -157,8 +157,8 @@ class ExtendedGather(PendingGather):
                     parameter.unshard_from(rows.view(parameter.world, -1))
                     continue
                 outputs = extension.allocated_outputs(parameter.world, gathered.device)
-                with _unsafe_preserve_version_counter(tuple(outputs)):
-                    for output in outputs:
+                for output in outputs:  # one tensor a context: torch 2.6's takes no tuple
+                    with _unsafe_preserve_version_counter(output):
                         _copy_into(output, next(pieces), world)
                 parameter.unshard_extended(extension)
 

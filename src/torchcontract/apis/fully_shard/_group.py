@@ -344,6 +344,14 @@ class ParamGroup:
         if self.post_forward and self.post_forward_group is not None:
             self.post_forward = False
             group, post_forward = self.post_forward_group, True
+        if not self.extended:
+            return start_all_gather(
+                self.parameters,
+                group,
+                async_op=async_op,
+                post_forward=post_forward,
+                comm=record.all_gather_comm,
+            )
         return start_extended_gather(
             self.parameters,
             group,
