@@ -4,8 +4,8 @@ BIN    := $(VENV)/bin
 PYTHON ?= python3
 .DEFAULT_GOAL := help
 
-.PHONY: help test lint typecheck docs docs-serve unit test-slow test-gpu demo bench dist compat \
-	fuzz mutate mutate-apis clean
+.PHONY: help test lint typecheck docs docs-serve unit test-slow test-gpu bench-gpu demo bench \
+	dist compat fuzz mutate mutate-apis clean
 
 # `make help`: every target with its one line, the text after `##` on the target's line
 # (tests/test_makefile.py checks that every target has one).
@@ -63,12 +63,26 @@ test-slow: $(BIN)/.installed  ## the slow tests: torchrun, torchft under HSDP, 8
 	$(PYTEST_XDIST) -m 'slow and not gpu' --junitxml=.slow.xml; \
 		status=$$?; $(BIN)/python tools/record_run.py slow .slow.xml; exit $$status
 
-# On a machine with CUDA: the parity tests that fit one device, and the GPU guide's script on
-# every device (pytest marker "gpu", which every other run deselects); without CUDA they are
-# skipped, and the command says so. Not in `make test` or CI.
-test-gpu: $(BIN)/.installed  ## parity on one CUDA device, the GPU guide on all (skipped without CUDA)
-	$(BIN)/pytest -q -p no:cacheprovider -m gpu -rs tests/distributed/test_cuda_parity.py \
-		tests/distributed/test_gpu_guide_torchrun.py
+# On a machine with CUDA: the tests that fit one device (pytest marker "gpu", which every
+# other run deselects): parity with FSDP2 and DDP, fully_shard's communication streams, and
+# the GPU guide's script on every device;
+# without CUDA they are skipped, and the command says so. Not in `make test` or CI.
+# `make bench-gpu`: fully_shard beside FSDP2 on one GPU (step time, peak memory), into
+# benchmarks/results/gpu.md, which the performance page includes; under 4 minutes on an H200.
+# Both run on a machine with torch but no .venv (a GPU machine): with TORCHCONTRACT_PYTHON set
+# (`make test-gpu TORCHCONTRACT_PYTHON=python3`), or when there is no .venv, they run that
+# python (python3 by default) with PYTHONPATH=src, needing only torch, attrs,
+# typing-extensions and pytest, and never create .venv; otherwise they run .venv's.
+TORCHCONTRACT_PYTHON ?= $(if $(wildcard $(VENV)),,python3)
+GPU_PYTHON := $(if $(TORCHCONTRACT_PYTHON),PYTHONPATH=src $(TORCHCONTRACT_PYTHON),$(BIN)/python)
+GPU_NEEDS := $(if $(TORCHCONTRACT_PYTHON),,$(BIN)/.installed)
+GPU_TESTS := tests/distributed/test_cuda_parity.py tests/distributed/test_cuda_streams.py \
+	tests/distributed/test_gpu_guide_torchrun.py
+test-gpu: $(GPU_NEEDS)  ## the gpu-marked tests on one CUDA device (skipped without CUDA)
+	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m gpu -rs $(GPU_TESTS)
+
+bench-gpu: $(GPU_NEEDS)  ## fully_shard beside FSDP2 on one GPU; writes benchmarks/results/gpu.md
+	$(GPU_PYTHON) benchmarks/bench_gpu.py
 
 # `make demo DEMO_ARGS=--hsdp`: fully_shard as HSDP on 4 processes (2 replicas x 2 shards).
 DEMO_ARGS ?=

@@ -7,7 +7,7 @@ without suppressing anything.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Final, ParamSpec, TypeVar, cast
 
@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed.utils
 from torch import Tensor, nn
 from torch.distributed.algorithms.join import _JoinConfig
+from torch.distributed.tensor import DTensor
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils.hooks import RemovableHandle
 
@@ -33,10 +34,12 @@ __all__ = [
     "broadcast",
     "checkpoint_generator",
     "checkpoint_is_valid",
+    "chunk_cat",
     "copy_each",
     "current_graph_task_id",
     "device_module_initialized",
     "disabled_join_config",
+    "dtensor_like",
     "fork_rng",
     "get_device_states",
     "infer_device_type",
@@ -332,3 +335,26 @@ def inputs_to(
     """
     moved_args, moved_kwargs = _to_kwargs(args, kwargs, device, side_stream)
     return (moved_args[0] if moved_args else ()), (moved_kwargs[0] if moved_kwargs else {})
+
+
+def chunk_cat(tensors: Sequence[Tensor], chunks: int, out: Tensor) -> None:
+    """Each tensor padded on dim 0 to ``chunks`` equal chunks, chunk ``i`` of all in row ``i``.
+
+    ``out`` is ``(chunks, padded numel / chunks)``, of any dtype (the copy casts):
+    ``torch._chunk_cat``, the copy-in of FSDP2's reduce-scatter.
+    """
+    _chunk_cat(list(tensors), 0, chunks, out=out)
+
+
+_chunk_cat: Final = cast(Callable[..., Tensor], vars(torch)["_chunk_cat"])
+
+
+_new_dtensor: Final = cast(Callable[..., DTensor], DTensor)
+
+
+def dtensor_like(local: Tensor, like: DTensor) -> DTensor:
+    """``local`` as a ``DTensor`` of ``like``'s spec, made directly: no op, no autograd.
+
+    FSDP2's ``_from_local_no_grad``; ``local`` must have ``like``'s local shape and dtype.
+    """
+    return _new_dtensor(local, like._spec, requires_grad=False)

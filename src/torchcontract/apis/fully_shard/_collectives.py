@@ -9,15 +9,18 @@ the flat buffer holds every parameter's ``r``-th padded shard, in order.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from .. import _torch
-from . import _comms
+from . import _comms, _copies
 from ._comms import AllGatherComm, ReduceScatterComm
 from ._sharding import ManagedParameter
+from ._streams import CommStreams
 
 __all__ = ["PendingGather", "all_gather", "reduce_scatter", "start_all_gather"]
 
@@ -33,20 +36,16 @@ class PendingGather:
 
     __slots__ = ("_parts", "_works", "requested")
 
-    def __init__(
-        self,
-        parts: list[tuple[Sequence[ManagedParameter], Tensor, Tensor]],
-        works: list[dist.Work],
-    ) -> None:
-        self._parts = parts  # per dtype: the parameters, the flat input, the gathered output
+    def __init__(self, parts: list[_Part], works: list[dist.Work]) -> None:
+        self._parts = parts
         self._works = works
         self.requested = False
 
     def finish(self) -> None:
         """Wait for the collective(s) and register the unsharded parameters."""
         self.discard()
-        for parameters, flat, gathered in self._parts:
-            _unshard_from(parameters, gathered, gathered.numel() // flat.numel())
+        for part in self._parts:
+            part.finish()
         self._parts = []
 
     def discard(self) -> None:
@@ -56,6 +55,51 @@ class PendingGather:
             work.wait()
 
 
+class _Part:
+    """The all-gather of one dtype's parameters: its buffers, and how to unshard from them.
+
+    ``gathered`` None: a world of one, whose shards are already in the unsharded
+    parameters. ``batched``: the rows go out in one copy (``_copies``), else one by
+    one (another shard dim, or what a post-forward reshard kept).
+    """
+
+    __slots__ = ("batched", "event", "flat", "gathered", "parameters", "streams", "world")
+
+    def __init__(
+        self,
+        parameters: Sequence[ManagedParameter],
+        flat: Tensor | None,
+        gathered: Tensor | None,
+        world: int,
+        *,
+        batched: bool,
+        streams: CommStreams | None = None,
+    ) -> None:
+        self.parameters = parameters
+        self.flat = flat
+        self.gathered = gathered
+        self.world = world
+        self.batched = batched
+        self.streams = streams
+        # On an accelerator: the all-gather stream's event that the copy-out waits for.
+        self.event = None if streams is None or gathered is None else streams.gathered()
+
+    def finish(self) -> None:
+        gathered = self.gathered
+        if gathered is not None and self.streams is not None and self.event is not None:
+            self.streams.copy_out_after(self.event, gathered)
+        if gathered is None:
+            pass
+        elif self.batched:
+            _copies.copy_out(self.parameters, gathered, self.world)
+        else:
+            assert self.flat is not None
+            _unshard_from(self.parameters, gathered, gathered.numel() // self.flat.numel())
+            return
+        for parameter in self.parameters:
+            parameter.install_unsharded()
+
+
 def start_all_gather(
     parameters: Sequence[ManagedParameter],
     group: dist.ProcessGroup,
@@ -63,6 +107,7 @@ def start_all_gather(
     async_op: bool,
     post_forward: bool = False,
     comm: AllGatherComm | None = None,
+    streams: CommStreams | None = None,
 ) -> PendingGather:
     """Start the all-gather of ``parameters``: one collective per dtype, in their order.
 
@@ -71,38 +116,65 @@ def start_all_gather(
     ``post_forward``, each rank sends what it kept after forward, over ``group`` (the
     post-forward mesh's shard group) instead of its shard. ``comm``
     (``set_custom_all_gather``) allocates the output and runs each collective.
+
+    With ``streams`` (an accelerator), the copy-in runs on its stream and the
+    collective on the all-gather stream, and ``finish`` orders the copy-out after it
+    on the caller's stream (``_streams``); the collective is then issued in order on
+    its stream, whatever ``async_op``.
     """
-    parts: list[tuple[Sequence[ManagedParameter], Tensor, Tensor]] = []
+    parts: list[_Part] = []
     works: list[dist.Work] = []
     world = group.size()
     for same_dtype in _by_dtype(parameters, [parameter.param_dtype for parameter in parameters]):
         chosen = [parameters[index] for index in same_dtype]
-        flat = torch.cat(
-            [
-                parameter.post_forward_input() if post_forward else parameter.gather_input()
-                for parameter in chosen
-            ]
-        )
-        if comm is None:
-            gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
-            if world == 1:
-                gathered.copy_(flat)
-            elif async_op:
+        dtype = chosen[0].param_dtype
+        batched = comm is None and not post_forward and _copies.batched(chosen)
+        if batched and world == 1:
+            _copies.copy_shards(chosen, dtype)
+            parts.append(_Part(chosen, None, None, world, batched=True))
+            continue
+        with _on(streams.copying_in() if streams is not None else None):
+            if batched:
+                flat, gathered = _copies.copy_in(chosen, dtype, world, group.rank())
+            else:
+                flat = torch.cat(
+                    [
+                        parameter.post_forward_input() if post_forward else parameter.gather_input()
+                        for parameter in chosen
+                    ]
+                )
+                numel = world * flat.numel()
+                if comm is not None:
+                    gathered = _comms.allocate(comm, numel, flat.dtype, flat.device)
+                else:
+                    gathered = torch.empty(numel, dtype=flat.dtype, device=flat.device)
+                    if world == 1:
+                        gathered.copy_(flat)
+        with _on(streams.gathering() if streams is not None else None):
+            if comm is not None:
+                work = _comms.all_gather(
+                    comm, gathered, flat, group, async_op=async_op and streams is None
+                )
+                if work is not None:
+                    works.append(work)
+            elif world == 1:
+                pass
+            elif async_op and streams is None:
                 works.append(_torch.all_gather_into_async(gathered, flat, group))
             else:
                 _torch.all_gather_into(gathered, flat, group)
-        else:
-            gathered = _comms.allocate(comm, world * flat.numel(), flat.dtype, flat.device)
-            work = _comms.all_gather(comm, gathered, flat, group, async_op=async_op)
-            if work is not None:
-                works.append(work)
-        parts.append((chosen, flat, gathered))
+            parts.append(_Part(chosen, flat, gathered, world, batched=batched, streams=streams))
     return PendingGather(parts, works)
 
 
 def all_gather(parameters: Sequence[ManagedParameter], group: dist.ProcessGroup) -> None:
     """All-gather ``parameters`` and register their unsharded forms: one collective per dtype."""
     start_all_gather(parameters, group, async_op=False).finish()
+
+
+def _on(context: AbstractContextManager[object] | None) -> AbstractContextManager[object]:
+    """``context``, or nothing (the CPU: no stream)."""
+    return nullcontext() if context is None else context
 
 
 def _by_dtype(items: Sequence[object], dtypes: Sequence[torch.dtype]) -> list[list[int]]:
@@ -146,7 +218,8 @@ def reduce_scatter(
     divide_factor: float | None = None,
     force_sum: bool = False,
     comm: ReduceScatterComm | None = None,
-) -> None:
+    streams: CommStreams | None = None,
+) -> list[torch.Event]:
     """Average ``grads`` (unsharded, one per parameter) over ``group`` into the sharded ``.grad``.
 
     The reduction runs in ``reduce_dtype`` (the gradients' own dtype if None), one
@@ -174,10 +247,15 @@ def reduce_scatter(
     and runs each reduce-scatter, with the op FSDP2 would pass (``AVG`` to average
     over the shard group, else ``SUM`` of the inputs, premultiplied by ``1 / factor``
     where FSDP2 sends ``PREMUL_SUM``).
+
+    With ``streams`` (an accelerator) each reduction runs on the reduce-scatter
+    stream (HSDP's all-reduce on its own), once it waits for the caller's; returned:
+    the events the end of backward waits for (none on the CPU).
     """
     dtypes = [reduce_dtype or grad.dtype for grad in grads]
+    events: list[torch.Event] = []
     for same_dtype in _by_dtype(parameters, dtypes):
-        _reduce_scatter_one_dtype(
+        event = _reduce_scatter_one_dtype(
             [parameters[index] for index in same_dtype],
             [grads[index] for index in same_dtype],
             group,
@@ -189,7 +267,11 @@ def reduce_scatter(
             divide_factor=divide_factor,
             force_sum=force_sum,
             comm=comm,
+            streams=streams,
         )
+        if event is not None:
+            events.append(event)
+    return events
 
 
 def _reduce_scatter_one_dtype(
@@ -205,31 +287,85 @@ def _reduce_scatter_one_dtype(
     divide_factor: float | None,
     force_sum: bool,
     comm: ReduceScatterComm | None,
-) -> None:
+    streams: CommStreams | None,
+) -> torch.Event | None:
     world = group.size()
-    columns = torch.cat(
-        [
-            parameter.scatter_input(grad, dtype)
-            for parameter, grad in zip(parameters, grads, strict=True)
-        ],
-        dim=1,
-    )
-    reduced = torch.empty(columns.shape[1], dtype=dtype, device=columns.device)
-    flat = columns.reshape(-1)
+    if _copies.batched(parameters) and not any(isinstance(grad, DTensor) for grad in grads):
+        numel = sum(parameter.padded_shard_numel for parameter in parameters)
+        flat = _copies.gradient_input(grads, dtype, world, numel)
+    else:
+        flat = torch.cat(
+            [
+                parameter.scatter_input(grad, dtype)
+                for parameter, grad in zip(parameters, grads, strict=True)
+            ],
+            dim=1,
+        ).reshape(-1)
+    numel = flat.numel() // world
+    with ExitStack() as stack:
+        last = None
+        if streams is not None:
+            stack.enter_context(streams.reducing(flat))
+            last = streams.reduce_scatter
+        _reduce(
+            parameters,
+            flat,
+            numel,
+            group,
+            dtype,
+            replicate_group=replicate_group,
+            hook=hook,
+            all_reduce=all_reduce,
+            deferred=deferred,
+            divide_factor=divide_factor,
+            force_sum=force_sum,
+            comm=comm,
+            all_reducing=None if streams is None else streams.all_reducing,
+        )
+        if streams is not None and last is not None:
+            if replicate_group is not None and all_reduce and replicate_group.size() > 1:
+                last = streams.all_reduce
+            return streams.reduced(last)
+    return None
+
+
+def _reduce(
+    parameters: Sequence[ManagedParameter],
+    flat: Tensor,
+    numel: int,
+    group: dist.ProcessGroup,
+    dtype: torch.dtype,
+    *,
+    replicate_group: dist.ProcessGroup | None,
+    hook: Callable[[Tensor], None] | None,
+    all_reduce: bool,
+    deferred: dict[int, Tensor],
+    divide_factor: float | None,
+    force_sum: bool,
+    comm: ReduceScatterComm | None,
+    all_reducing: Callable[[Tensor], AbstractContextManager[None]] | None,
+) -> None:
+    """Reduce-scatter ``flat``, all-reduce over replicas, store the shards' gradients."""
+    world = group.size()
     replicas = 1 if replicate_group is None else replicate_group.size()
     # Whether the all-reduce averages (no factor, no forced sum) or only sums.
     averaging = divide_factor is None and not force_sum
     if comm is not None:
         reduced = _custom_reduce_scatter(comm, flat, group, divide_factor, force_sum)
-    elif world == 1:
+    elif world == 1:  # the flat input is this rank's alone: reduced in place
+        reduced = flat
         unforced = divide_factor if not force_sum else None
-        reduced.copy_(flat if unforced is None else flat.div(unforced))
+        if unforced is not None:
+            reduced.div_(unforced)
     elif force_sum:
+        reduced = torch.empty(numel, dtype=dtype, device=flat.device)
         _torch.reduce_scatter_sum(reduced, flat, group)
     elif divide_factor is None or divide_factor == world:
+        reduced = torch.empty(numel, dtype=dtype, device=flat.device)
         _torch.reduce_scatter_average(reduced, flat, group)
     else:  # FSDP2's PREMUL_SUM(1 / factor)
-        _torch.reduce_scatter_sum(reduced, flat.mul(1 / divide_factor), group)
+        reduced = torch.empty(numel, dtype=dtype, device=flat.device)
+        _torch.reduce_scatter_sum(reduced, flat.mul_(1 / divide_factor), group)
     if replicate_group is not None:
         if not all_reduce:
             _defer(parameters, reduced, deferred)
@@ -237,17 +373,59 @@ def _reduce_scatter_one_dtype(
         if deferred:  # only after a backward with the all-reduce off
             _take_deferred(parameters, reduced, deferred)
         if replicas > 1:
-            _torch.all_reduce(reduced, replicate_group).wait()
-            if averaging:
-                reduced.div_(replicas)
+            with _on(None if all_reducing is None else all_reducing(reduced)):
+                _torch.all_reduce(reduced, replicate_group).wait()
+                if averaging:
+                    reduced.div_(replicas)
+                _store(
+                    parameters,
+                    reduced,
+                    hook=hook,
+                    force_sum=force_sum,
+                    divide_factor=divide_factor,
+                    world=world,
+                    replicas=replicas,
+                )
+            return
+    _store(
+        parameters,
+        reduced,
+        hook=hook,
+        force_sum=force_sum,
+        divide_factor=divide_factor,
+        world=world,
+        replicas=replicas,
+    )
+
+
+def _store(
+    parameters: Sequence[ManagedParameter],
+    reduced: Tensor,
+    *,
+    hook: Callable[[Tensor], None] | None,
+    force_sum: bool,
+    divide_factor: float | None,
+    world: int,
+    replicas: int,
+) -> None:
+    """The reduced shards: to the all-reduce hook, divided after a forced sum, to ``.grad``."""
     if hook is not None:
         hook(reduced)
     if force_sum:  # FSDP2 divides after its sums, by the factor or the mesh's size
         after = float(world * replicas) if divide_factor is None else divide_factor
         if after != 1:
             reduced.div_(after)
-    for parameter, shard in zip(parameters, _slices(parameters, reduced), strict=True):
-        parameter.accumulate_shard_grad(shard)
+    _copies.shard_gradients(parameters, reduced)
+
+
+def _slices(parameters: Sequence[ManagedParameter], reduced: Tensor) -> list[Tensor]:
+    """Each parameter's padded shard in the flat reduced buffer, in order."""
+    slices: list[Tensor] = []
+    offset = 0
+    for parameter in parameters:
+        slices.append(reduced[offset : offset + parameter.padded_shard_numel])
+        offset += parameter.padded_shard_numel
+    return slices
 
 
 def _custom_reduce_scatter(
@@ -278,16 +456,6 @@ def _custom_reduce_scatter(
             staged.mul_(1 / divide_factor)
     comm(output_tensor=reduced, input_tensor=staged, group=group, op=op)
     return reduced
-
-
-def _slices(parameters: Sequence[ManagedParameter], reduced: Tensor) -> list[Tensor]:
-    """Each parameter's padded shard in the flat reduced buffer, in order."""
-    slices: list[Tensor] = []
-    offset = 0
-    for parameter in parameters:
-        slices.append(reduced[offset : offset + parameter.padded_shard_numel])
-        offset += parameter.padded_shard_numel
-    return slices
 
 
 def _defer(

@@ -121,7 +121,7 @@ def _inputs(
 class ExtendedGather(PendingGather):
     """An extended all-gather in flight: ``finish()`` waits, copies out, runs the post-hooks."""
 
-    __slots__ = ("_extended",)
+    __slots__ = ("_extended", "_flat")
 
     def __init__(
         self,
@@ -133,7 +133,8 @@ class ExtendedGather(PendingGather):
         sizes: list[int],
         world: int,
     ) -> None:
-        super().__init__([(parameters, flat, gathered)], works)
+        super().__init__([], works)
+        self._flat = flat  # the collective reads it (on gloo's thread) until finished
         self._extended = (parameters, gathered, sizes, world)
 
     def finish(self) -> None:

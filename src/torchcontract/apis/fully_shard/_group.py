@@ -43,6 +43,7 @@ from ._collectives import PendingGather, reduce_scatter, start_all_gather
 from ._extended_gather import detect, start_extended_gather
 from ._sharding import ManagedParameter
 from ._state import FullyShardState
+from ._streams import CommStreams
 
 if TYPE_CHECKING:
     from torchcontract import Contract
@@ -85,6 +86,8 @@ class Root:
         self.last_forward: list[weakref.ref[ParamGroup]] = []
         self.forward: list[weakref.ref[ParamGroup]] = []
         self.post_forward: list[weakref.ref[ParamGroup]] = []
+        # On an accelerator: FSDP2's communication streams (``_streams``); None on the CPU.
+        self.streams: CommStreams | None = None
 
     @property
     def groups(self) -> list[ParamGroup]:
@@ -93,8 +96,15 @@ class Root:
     def start_iteration(self) -> None:
         """At the root's forward: forget a backward that failed before its end callback ran.
 
-        Also drops unused prefetches and starts recording this iteration's order.
+        Also drops unused prefetches and starts recording this iteration's order; on
+        an accelerator, the copy-in stream waits for the optimizer step.
         """
+        streams = self.streams
+        if streams is not None:
+            for group in self.groups:  # set_post_optim_event on any module under the root
+                if group.post_optim_event is not None:
+                    streams.post_optim_event, group.post_optim_event = group.post_optim_event, None
+            streams.start_iteration()
         if self.callback_queued:
             self.callback_queued = False
             for group in self.groups:
@@ -172,11 +182,28 @@ class ParamGroup:
         self.post_forward_indices: list[int] = []
         # HSDP with requires_all_reduce off: reduce-scattered shards awaiting the all-reduce.
         self.deferred: dict[int, Tensor] = {}
+        # On an accelerator: the reductions' events the end of backward waits for, and
+        # the user's post-optimizer event for the next forward's copy-in.
+        self.reduce_events: list[torch.Event] = []
+        self.post_optim_event: torch.Event | None = None
         # A list's application: ids of its modules yet to run forward in this pass (FSDP2's
         # ``_modules_to_run_forward``); its post-forward waits for the last of them.
         self.to_run_forward: set[int] = set()
         # Whether a shard defines FSDP2's all-gather extension hooks (found at lazy init).
         self.extended = False
+
+    @property
+    def device_type(self) -> str:
+        """The device type of the group's mesh (``cpu`` for an empty group)."""
+        for parameter in self.parameters:
+            return parameter.layout.mesh.device_type
+        return "cpu"
+
+    @property
+    def streams(self) -> CommStreams | None:
+        """The root's communication streams (None on the CPU, or before the first forward)."""
+        root = self.root
+        return None if root is None else root.streams
 
     def completes_forward(self, module_id: int) -> bool:
         """Note the forward of one of the group's modules: whether it ends the group's forward.
@@ -268,25 +295,51 @@ class ParamGroup:
             self.unsharded = True
         elif not self.unsharded:
             self.check_materialized()
-            self._start_gather(async_op=False).finish()
+            in_pass = self.phase in {Phase.FORWARD, Phase.PRE_BACKWARD}
+            self._start_gather(async_op=False, on_streams=in_pass).finish()
             self.unsharded = True
         else:
             self.follow_cast()
 
-    def _start_gather(self, *, async_op: bool) -> PendingGather:
-        """The all-gather of the shards, or after a post-forward reshard of what was kept."""
+    def _start_gather(self, *, async_op: bool, on_streams: bool) -> PendingGather:
+        """The all-gather of the shards, or after a post-forward reshard of what was kept.
+
+        ``on_streams``: on an accelerator, on the communication streams; as FSDP2's
+        ``get_all_gather_streams``, only a forward's or backward's gather (its own or a
+        prefetch), whose copy-in streams waited for the optimizer; the user's
+        ``unshard()`` runs on the caller's stream.
+        """
         record = self.record() or FullyShardState()
-        if self.extended or record.all_gather_comm is not None:
-            return self._start_extension_gather(record, async_op=async_op)
+        if self.extended:  # a shard defines FSDP2's all-gather hooks
+            return self._start_extended_gather(record, async_op=async_op)
+        comm = record.all_gather_comm
         if self.post_forward and self.post_forward_group is not None:
             self.post_forward = False
+            group, post_forward = self.post_forward_group, True
+        else:
+            group, post_forward = self.process_group, False
+        streams = self.streams if on_streams else None
+        if streams is not None and post_forward:
+            streams.copy_in_waits_compute()
+        if streams is not None or comm is not None:
             return start_all_gather(
-                self.parameters, self.post_forward_group, async_op=async_op, post_forward=True
+                self.parameters,
+                group,
+                async_op=async_op,
+                post_forward=post_forward,
+                comm=comm,
+                streams=streams,
             )
-        return start_all_gather(self.parameters, self.process_group, async_op=async_op)
+        # The plain call (a test records the gathers by replacing this function).
+        if post_forward:
+            return start_all_gather(self.parameters, group, async_op=async_op, post_forward=True)
+        return start_all_gather(self.parameters, group, async_op=async_op)
 
-    def _start_extension_gather(self, record: FullyShardState, *, async_op: bool) -> PendingGather:
-        """``_start_gather`` where FSDP2's extension points are used: hooks or a custom comm."""
+    def _start_extended_gather(self, record: FullyShardState, *, async_op: bool) -> PendingGather:
+        """``_start_gather`` for a group where a shard defines the all-gather hooks.
+
+        On the caller's stream, also on an accelerator (its copies are the hooks').
+        """
         group, post_forward = self.process_group, False
         if self.post_forward and self.post_forward_group is not None:
             self.post_forward = False
@@ -319,7 +372,7 @@ class ParamGroup:
             return
         if any(parameter.is_meta for parameter in self.parameters):
             return
-        self.pending = self._start_gather(async_op=True)
+        self.pending = self._start_gather(async_op=True, on_streams=not requested)
         self.pending.requested = requested
 
     def drop_prefetch(self) -> None:
@@ -446,7 +499,7 @@ class ParamGroup:
             self.reshard()
         if pairs:
             grads = [grad for _, grad in pairs]
-            reduce_scatter(
+            self.reduce_events += reduce_scatter(
                 [parameter for parameter, _ in pairs],
                 grads,
                 self.process_group,
@@ -458,6 +511,7 @@ class ParamGroup:
                 divide_factor=record.gradient_divide_factor,
                 force_sum=record.force_sum_reduction,
                 comm=record.reduce_scatter_comm,
+                streams=self.streams,
             )
             self.reduced = True
 
@@ -541,6 +595,12 @@ def finish_backward(root: Root) -> None:
                 # Inputs that need no gradient (token ids) never trigger it.
                 group.post_backward()
     finally:
+        streams = root.streams
+        if streams is not None:
+            events = [event for group in root.groups for event in group.reduce_events]
+            streams.finish_backward(events)
+        for group in root.groups:
+            group.reduce_events.clear()
         root.callback_queued = False
         root.post_forward = []
         for group in root.groups:

@@ -40,6 +40,7 @@ from torchcontract import (
 from .. import _torch
 from ._group import ALL_GROUPS, ParamGroup, Phase, Root, root_names
 from ._state import FullyShardState
+from ._streams import streams_for
 
 __all__ = ["ForwardHooks", "become_root", "grad_tensors", "in_backward"]
 
@@ -238,6 +239,7 @@ def become_root(group: ParamGroup) -> None:
     _check_no_torch_api(group)
     _check_shared(group, found)
     root = Root(found)
+    root.streams = streams_for(group.device_type)
     for member in found:
         member.root = root
         member.is_root = member is group

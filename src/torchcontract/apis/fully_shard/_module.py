@@ -247,9 +247,18 @@ class FullyShardModule(FSDPModule):
 
     # ----------------------------------------------------------------- accelerator only
 
-    def set_post_optim_event(self, event: torch.Event) -> NoReturn:
-        """Refused: an event for CUDA all-gather streams, which these collectives do not use."""
-        _accelerator_only(self, "set_post_optim_event", "an event on the all-gather streams")
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The next forward's all-gathers wait for ``event`` (the optimizer step's), not the stream.
+
+        On an accelerator, as FSDP2's: the root's next forward makes the all-gather
+        streams wait for ``event`` instead of for everything queued on the compute
+        stream. Refused (``NotImplementedError``) on a CPU mesh, whose collectives
+        use no stream.
+        """
+        group = _group(self)
+        if group.streams is None and group.device_type in {"cpu", "meta"}:
+            _accelerator_only(self, "set_post_optim_event", "an event on the all-gather streams")
+        group.post_optim_event = event
 
     def set_custom_all_gather(self, comm: AllGatherComm) -> None:
         """Run this module's parameter all-gathers through ``comm`` (FSDP2's ``AllGather``).

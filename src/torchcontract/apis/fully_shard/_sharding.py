@@ -94,6 +94,7 @@ class ManagedParameter:
         self.local_rows = max(0, min(self.chunk_rows, self.rows - self.rank * self.chunk_rows))
         self.padded_shard_numel = self.chunk_rows * self.row_numel
         self.shard_shape = self._with_rows(self.local_rows)
+        self.shard_stride = _contiguous_stride(self.shard_shape)
         start = min(self.rank * self.chunk_rows, self.rows)
         with torch.no_grad():
             whole = local_tensor(parameter).detach()
@@ -124,6 +125,13 @@ class ManagedParameter:
             rows = max(0, min(rows, self.rows - self.post_forward_rank * rows))
             self.post_forward_shape = torch.Size((rows, *self.shape[1:]))
         self._gathered: Tensor | None = None
+        # Views of ``_gathered`` made once with it: as ``(world, padded)`` rows (the
+        # all-gather's copy-out) and as the split tensor's shape (a world of one's copy-in).
+        self._gathered_rows: Tensor | None = None
+        self._gathered_data: Tensor | None = None
+        # The shard's local tensor and its flat view, made once per local tensor.
+        self._source: Tensor | None = None
+        self._flat_source: Tensor | None = None
         self.unsharded: nn.Parameter | None = None
         # The data-parallel mesh, and the all-gather extension of the shard's local tensor
         # (its fsdp_pre/post_all_gather), found at lazy init (``_extended_gather.detect``).
@@ -246,36 +254,74 @@ class ManagedParameter:
         padded[: local.numel()].copy_(local.reshape(-1))
         return padded
 
-    def unshard_from(self, gathered: Tensor) -> None:
-        """Fill the unsharded parameter from its ``(world, padded_shard_numel)`` gathered slice."""
-        if (
-            self._gathered is None
-            or self._gathered.dtype != gathered.dtype
-            or self._gathered.device != gathered.device
-        ):
+    def shard_data(self) -> Tensor:
+        """This rank's rows of the sharded parameter, as the ``DTensor`` holds them (no op)."""
+        return as_dtensor(self.sharded)._local_tensor
+
+    def flat_shard(self) -> Tensor:
+        """``shard_data()`` flat; the view is made once per local tensor, not per gather."""
+        local = self.shard_data()
+        if local is self._source and self._flat_source is not None:
+            return self._flat_source
+        if not local.is_contiguous():  # a copy: made again each time, never stale
+            self._source = self._flat_source = None
+            return local.reshape(-1)
+        self._source, self._flat_source = local, local.view(-1)
+        return self._flat_source
+
+    def prepare_gathered(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """The storage the gathered rows go to, allocated; a new parameter if needed.
+
+        Returns ``_gathered`` itself, whose version counter a caller writing into it
+        preserves (``_unsafe_preserve_version_counter``): autograd saved the
+        unsharded parameter, a view of it, for backward.
+        """
+        gathered = self._gathered
+        if gathered is None or gathered.dtype != dtype or gathered.device != device:
             # First gather, or the model was cast or moved since: a new unsharded parameter.
-            self._gathered = torch.empty(
-                self.world * self.padded_shard_numel, dtype=gathered.dtype, device=gathered.device
-            )
-            unsharded = self._gathered[: self.rows * self.row_numel].view(self.shape)
+            gathered = torch.empty(self.world * self.padded_shard_numel, dtype=dtype, device=device)
+            self._gathered = gathered
+            self._gathered_rows = gathered.view(self.world, self.padded_shard_numel)
+            self._gathered_data = gathered[: self.rows * self.row_numel].view(self.shape)
             self.unsharded = nn.Parameter(
-                self.layout.unsharded(unsharded), requires_grad=self.sharded.requires_grad
+                self.layout.unsharded(self._gathered_data),
+                requires_grad=self.sharded.requires_grad,
             )
         else:
-            storage = self._gathered.untyped_storage()
-            size = self._gathered.numel() * self._gathered.element_size()
+            storage = gathered.untyped_storage()
+            size = gathered.numel() * gathered.element_size()
             if storage.size() != size:
                 storage.resize_(size)
         assert self.unsharded is not None
         if self.unsharded.requires_grad != self.sharded.requires_grad:
             self.unsharded.requires_grad_(self.sharded.requires_grad)
-        with torch.no_grad(), _unsafe_preserve_version_counter(self._gathered):
+        return gathered
+
+    def gathered_rows(self) -> Tensor:
+        """``_gathered`` as ``(world, padded_shard_numel)``: where the copy-out writes."""
+        assert self._gathered_rows is not None, "prepare_gathered first"
+        return self._gathered_rows
+
+    def gathered_data(self) -> Tensor:
+        """``_gathered``'s rows as the split tensor's shape: the unsharded parameter's data."""
+        assert self._gathered_data is not None, "prepare_gathered first"
+        return self._gathered_data
+
+    def unshard_from(self, gathered: Tensor) -> None:
+        """Fill the unsharded parameter from its ``(world, padded_shard_numel)`` gathered slice."""
+        storage = self.prepare_gathered(gathered.dtype, gathered.device)
+        with torch.no_grad(), _unsafe_preserve_version_counter(storage):
             if self.dim == 0:
-                self._gathered.view(self.world, -1).copy_(gathered)
+                self.gathered_rows().copy_(gathered)
             else:  # rank r's slices go to [r * c, (r + 1) * c) of the dim (even: no padding)
-                self._split_view(self._gathered).copy_(
+                self._split_view(storage).copy_(
                     gathered.view(self.world, *self.shard_shape).movedim(0, self.dim)
                 )
+        self.install_unsharded()
+
+    def install_unsharded(self) -> None:
+        """Register the unsharded parameter under every name (after its data is in place)."""
+        assert self.unsharded is not None
         self.install(self.unsharded)
 
     @property
@@ -328,7 +374,7 @@ class ManagedParameter:
         if grad is not None:
             sharded.grad = grad.to(unsharded.dtype)
         # The unsharded parameter holds its own data now; the next gather makes new ones.
-        self._gathered = None
+        self._gathered = self._gathered_rows = self._gathered_data = None
 
     def reshard(self) -> None:
         """Register the sharded parameter again and free the unsharded storage."""
@@ -433,13 +479,41 @@ class ManagedParameter:
     def accumulate_shard_grad(self, reduced: Tensor) -> None:
         """Add this rank's averaged rows (a padded flat slice) to the sharded ``.grad``."""
         local = reduced[: self.local_rows * self.row_numel].to(self.orig_dtype, copy=True)
-        local = local.view(self.shard_shape)
+        self.add_shard_grad(local.view(self.shard_shape))
+
+    def add_shard_grad(self, local: Tensor) -> None:
+        """Add ``local`` (this rank's rows, in the shard's dtype) to ``.grad``, or make it that.
+
+        A new ``.grad`` holds ``local`` itself, not a copy (FSDP2's view of its flat output).
+        """
         grad = self.sharded.grad
         with torch.no_grad():
             if grad is None:
-                self.sharded.grad = self.layout.sharded(local)
+                self.sharded.grad = self._sharded_grad(local)
             else:
-                as_dtensor(grad).to_local().add_(local)
+                as_dtensor(grad)._local_tensor.add_(local)
+
+    def _sharded_grad(self, local: Tensor) -> DTensor:
+        """``local`` as the shard's ``.grad``: a ``DTensor`` of the shard's spec.
+
+        Made directly, as FSDP2's ``_from_local_no_grad``, without ``from_local``'s
+        view, where ``local`` has the shard's local shape and dtype (the spec's).
+        """
+        sharded = as_dtensor(self.sharded)
+        shard = sharded._local_tensor
+        if local.dtype == shard.dtype and local.shape == shard.shape:
+            return _torch.dtensor_like(local, sharded)
+        return self.layout.sharded(local)
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides: list[int] = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def as_dtensor(tensor: Tensor) -> DTensor:

@@ -1,0 +1,210 @@
+"""The accelerator's stream orderings, as FSDP2's, on a fake stream API that logs them.
+
+``_streams.CommStreams`` is what ``fully_shard`` does with streams on an accelerator;
+here it runs over ``FakeBackend``, which records each wait, event and stream switch
+instead of queueing them, on a fake process group of 2 CPU ranks. The order of that
+log is FSDP2's design: copy-in on its stream, the collective on the all-gather stream
+after it, the copy-out on the compute stream after the gather's event; the
+reduce-scatter on its stream after the compute stream, and the end of backward
+waiting for it. The real streams run under ``tests/distributed/test_cuda_streams.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any, cast
+
+import pytest
+import torch
+from fake_world import fake_mesh
+from torch import Tensor, nn
+
+from torchcontract.apis import fully_shard
+from torchcontract.apis.fully_shard import _hooks
+from torchcontract.apis.fully_shard._streams import CommStreams
+
+
+class FakeBackend:
+    """A stream API that logs what it is asked to do, in order; streams are names."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.names = iter(["copy_in", "all_gather", "reduce_scatter", "all_reduce"])
+        self.stack = ["compute"]
+        self.events = 0
+
+    def current_stream(self) -> torch.Stream:
+        return cast(torch.Stream, self.stack[-1])
+
+    def new_stream(self, priority: int) -> torch.Stream:
+        return cast(torch.Stream, next(self.names))
+
+    @contextmanager
+    def use(self, stream: torch.Stream) -> Generator[object]:
+        self.stack.append(cast(str, stream))
+        self.log.append(f"enter {stream}")
+        try:
+            yield stream
+        finally:
+            self.stack.pop()
+            self.log.append(f"leave {stream}")
+
+    def wait_stream(self, waiter: torch.Stream, waited: torch.Stream) -> None:
+        self.log.append(f"{waiter} waits {waited}")
+
+    def wait_event(self, waiter: torch.Stream, event: torch.Event) -> None:
+        self.log.append(f"{waiter} waits {event}")
+
+    def record_event(self, stream: torch.Stream) -> torch.Event:
+        self.events += 1
+        event = f"event{self.events}@{stream}"
+        self.log.append(f"record {event}")
+        return cast(torch.Event, event)
+
+    def record_stream(self, tensor: Tensor, stream: torch.Stream) -> None:
+        self.log.append(f"record_stream {stream}")
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return cast(Tensor, self.second(self.first(x)))
+
+
+@pytest.fixture
+def backend(monkeypatch: pytest.MonkeyPatch) -> FakeBackend:
+    fake = FakeBackend()
+    monkeypatch.setattr(_hooks, "streams_for", lambda device_type: CommStreams(fake))
+    return fake
+
+
+def _sharded() -> Any:
+    torch.manual_seed(0)
+    model = Model()
+    fully_shard(model.first)
+    fully_shard(model.second)
+    fully_shard(model)
+    return model
+
+
+def _step(model: Any, backend: FakeBackend) -> list[str]:
+    """The log of one forward and backward."""
+    backend.log.clear()
+    model(torch.ones(2, 4)).sum().backward()
+    return list(backend.log)
+
+
+def test_forward_copy_in_waits_for_compute_once_per_iteration(backend: FakeBackend) -> None:
+    with fake_mesh((2,)):
+        log = _step(_sharded(), backend)
+    assert log[:2] == ["copy_in waits compute", "all_gather waits compute"]
+    assert log.count("copy_in waits compute") == 1
+
+
+def test_all_gather_copy_in_then_collective_then_copy_out_after_event(
+    backend: FakeBackend,
+) -> None:
+    with fake_mesh((2,)):
+        log = _step(_sharded(), backend)
+    start = log.index("enter copy_in")
+    assert log[start : start + 6] == [
+        "enter copy_in",
+        "leave copy_in",
+        "all_gather waits copy_in",
+        "enter all_gather",
+        "record event1@all_gather",
+        "leave all_gather",
+    ]
+    # The copy-out waits for that event on the compute stream and holds the output there.
+    waited = log.index("compute waits event1@all_gather")
+    assert log[waited + 1] == "record_stream compute"
+    # 2 groups gather in forward and again in backward (the root has no parameters).
+    assert log.count("enter all_gather") == 4
+
+
+def test_reduce_scatter_on_its_stream_and_backward_end_waits_for_it(
+    backend: FakeBackend,
+) -> None:
+    with fake_mesh((2,)):
+        log = _step(_sharded(), backend)
+    reductions = [i for i, entry in enumerate(log) if entry == "reduce_scatter waits compute"]
+    assert len(reductions) == 2
+    for index in reductions:
+        assert log[index + 1 : index + 3] == [
+            "record_stream reduce_scatter",
+            "enter reduce_scatter",
+        ]
+    events = [entry.split()[1] for entry in log if entry.startswith("record event")]
+    reduce_events = [event for event in events if event.endswith("@reduce_scatter")]
+    assert len(reduce_events) == 2
+    # The end of backward: the compute stream waits for every reduction, after the last.
+    assert sorted(log[-2:]) == sorted(f"compute waits {event}" for event in reduce_events)
+
+
+def test_hsdp_all_reduce_on_its_stream_after_the_reduce_scatter(backend: FakeBackend) -> None:
+    with fake_mesh((2, 2), ("replicate", "shard")) as mesh:
+        torch.manual_seed(0)
+        model: Any = Model()
+        for module in (model.first, model.second, model):
+            fully_shard(module, mesh=mesh)
+        log = _step(model, backend)
+    assert log.count("all_reduce waits reduce_scatter") == 2
+    index = log.index("all_reduce waits reduce_scatter")
+    # Its buffer, from the reduce-scatter stream, is not reused before the all-reduce is done.
+    assert log[index + 1 : index + 3] == ["record_stream all_reduce", "enter all_reduce"]
+    expected = [f"compute waits event{n}@all_reduce" for n in _events(log, "all_reduce")]
+    assert sorted(log[-2:]) == sorted(expected)
+
+
+def _events(log: list[str], stream: str) -> list[int]:
+    return [
+        int(entry.split("event")[1].split("@")[0])
+        for entry in log
+        if entry.startswith("record event") and entry.endswith(f"@{stream}")
+    ]
+
+
+def test_post_optim_event_replaces_the_wait_for_compute(backend: FakeBackend) -> None:
+    with fake_mesh((2,)):
+        model = _sharded()
+        _step(model, backend)
+        model.set_post_optim_event(cast(torch.Event, "optimizer-event"))
+        log = _step(model, backend)
+        after = _step(model, backend)
+    assert log[:2] == ["copy_in waits optimizer-event", "all_gather waits optimizer-event"]
+    assert "copy_in waits compute" not in log
+    assert after[0] == "copy_in waits compute"  # for one iteration only, as FSDP2's
+
+
+def test_user_unshard_runs_on_the_callers_stream(backend: FakeBackend) -> None:
+    """As FSDP2's: outside a forward or backward, the copy-in streams are not used."""
+    with fake_mesh((2,)):
+        model = _sharded()
+        _step(model, backend)
+        backend.log.clear()
+        model.first.unshard()
+        model.first.reshard()
+    assert "enter copy_in" not in backend.log
+    assert "enter all_gather" not in backend.log
+
+
+def test_post_forward_gather_waits_for_what_the_forward_kept(backend: FakeBackend) -> None:
+    """An int reshard_after_forward: backward's copy-in reads what forward kept, on compute."""
+    with fake_mesh((4,)) as flat:
+        torch.manual_seed(0)
+        model: Any = Model()
+        for module in (model.first, model.second):
+            fully_shard(module, mesh=flat, reshard_after_forward=2)
+        fully_shard(model, mesh=flat)
+        log = _step(model, backend)
+    gathers = [index for index, entry in enumerate(log) if entry == "enter copy_in"]
+    assert len(gathers) == 4  # 2 in forward, 2 in backward
+    for index in gathers[:2]:  # the shards: the copy-in waited once, at the root's forward
+        assert log[index - 1] != "copy_in waits compute"
+    for index in gathers[2:]:  # what forward kept, written on the compute stream
+        assert log[index - 1] == "copy_in waits compute"
