@@ -153,7 +153,7 @@ DIFFERENCES: Final = (
     ),
     Difference(
         "fully_shard",
-        "`set_post_optim_event`, "
+        "`set_post_optim_event` on a CPU mesh (taken on an accelerator's), "
         "`set_allocate_memory_from_process_group_for_comm`, `set_symm_mem_for_comm`, "
         "`set_reduce_scatter_max_input_buffers`, `set_separate_reduce_scatter_group`",
         "refused",
@@ -206,9 +206,11 @@ DIFFERENCES: Final = (
         "`shard_placement_fn` returning a `ShardPlacementResult` (a placement with its own mesh)",
         "refused",
         "taken",
-        "Not implemented. Return `Shard(d)` or `None`.",
+        "Not implemented: one application shards over one mesh, where FSDP2 makes a group per "
+        "mesh. Return `Shard(d)` or `None`, and give the parameter's submodule its own "
+        "`fully_shard(..., mesh=...)` first.",
         "probe:shard_placement_result",
-        TypeError,
+        NotImplementedError,
     ),
     Difference(
         "fully_shard",

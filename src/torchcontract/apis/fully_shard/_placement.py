@@ -28,8 +28,9 @@ def shard_dim(
 ) -> int:
     """The dim ``parameter`` (named ``fqn``) is split on over ``world`` ranks.
 
-    ``target`` is the module applied to, named in errors. Raises ``TypeError`` for an
-    answer that is neither ``None`` nor a ``Shard``; ``InvalidShardDimError`` (a
+    ``target`` is the module applied to, named in errors. Raises ``NotImplementedError``
+    for FSDP2's ``ShardPlacementResult`` (a mesh per parameter), ``TypeError`` for any
+    other answer that is neither ``None`` nor a ``Shard``; ``InvalidShardDimError`` (a
     ``ValueError`` and, as FSDP2 raises, an ``AssertionError``) for a dim out of the
     parameter's range; ``NotImplementedError`` for a dim other than 0 that ``world``
     does not divide (as FSDP2).
@@ -38,12 +39,18 @@ def shard_dim(
     if placement is None:
         return 0
     where = f"fully_shard on {module_label(target)}: shard_placement_fn returned"
+    if type(placement).__name__ == "ShardPlacementResult":
+        # FSDP2 gives such parameters a group of their own, on their mesh, inside the
+        # module's application; here one application is one group on one mesh.
+        raise NotImplementedError(
+            f"{where} a ShardPlacementResult for parameter {fqn!r}: a mesh per parameter is "
+            "not implemented (one fully_shard application shards over one mesh); return "
+            "Shard(dim) or None, and shard the submodule holding it with its own "
+            "fully_shard(..., mesh=...) call first"
+        )
     if type(placement) is not Shard:
         shown = type(placement).__qualname__
-        raise TypeError(
-            f"{where} a {shown} for parameter {fqn!r}; return a Shard(dim) or None (a "
-            "ShardPlacementResult with its own mesh is not supported)"
-        )
+        raise TypeError(f"{where} a {shown} for parameter {fqn!r}; return a Shard(dim) or None")
     given = placement_dim(placement)
     ndim = parameter.dim()
     dim = given + ndim if given < 0 else given
