@@ -175,18 +175,20 @@ class FQNSnapshot:
 
 
 _new: Final = object.__new__
-#: The (depths, names) of every leaf: shared, never written.
+#: The (depths, names) of every leaf, and the members of a leaf that has none of a kind:
+#: shared, never written.
 _LEAF_TREE: Final = ([0], [""])
+_NO_MEMBERS: Final[_MemberCopy] = ([0], [], [])
 
 
-def _snapshot(
+def _snapshot(  # noqa: PLR0917 (positional: two are built per apply, keywords cost)
     modules: tuple[nn.Module, ...],
     classes: tuple[type[nn.Module], ...],
     tree: tuple[list[int], list[str]],
-    *,
     forwards: Mapping[int, object],
     params: _MemberCopy,
     buffers: _MemberCopy,
+    /,
 ) -> FQNSnapshot:
     """A snapshot of what one walk copied, built without a Python-level ``__init__``."""
     snapshot = _new(FQNSnapshot)
@@ -246,9 +248,13 @@ def _walk(root: nn.Module) -> FQNSnapshot:
             (root,),
             (type(root),),
             _LEAF_TREE,
-            forwards={} if forward is _NO_FORWARD else {0: forward},
-            params=([len(params)], list(params), list(map(id, params.values()))),
-            buffers=([len(buffers)], list(buffers), list(map(id, buffers.values()))),
+            {} if forward is _NO_FORWARD else {0: forward},
+            ([len(params)], list(params), list(map(id, params.values())))
+            if params
+            else _NO_MEMBERS,
+            ([len(buffers)], list(buffers), list(map(id, buffers.values())))
+            if buffers
+            else _NO_MEMBERS,
         )
     modules: list[nn.Module] = []
     depths: list[int] = []
@@ -296,28 +302,33 @@ def _walk(root: nn.Module) -> FQNSnapshot:
         add_module(module)
         add_depth(depth)
         add_name(name)
-        add_param_count(len(own_params))
-        if own_params:
-            add_param_keys(own_params.keys())
+        # Keys by iterating the dict itself, children only where there are any: each
+        # view or iterator not made is an allocation fewer per module.
+        count = len(own_params)
+        add_param_count(count)
+        if count:
+            add_param_keys(own_params)
             add_param_values(own_params.values())
-        add_buffer_count(len(own_buffers))
-        if own_buffers:
-            add_buffer_keys(own_buffers.keys())
+        count = len(own_buffers)
+        add_buffer_count(count)
+        if count:
+            add_buffer_keys(own_buffers)
             add_buffer_values(own_buffers.values())
-        depth += 1
-        for child_name, child in children.items():
-            if child is not None:
-                recurse(child, child_name, depth, recurse)
+        if children:
+            depth += 1
+            for child_name, child in children.items():
+                if child is not None:
+                    recurse(child, child_name, depth, recurse)
 
     visit(root, "", 0, visit)
     return _snapshot(
         tuple(modules),
         tuple(map(type, modules)),
         (depths, names),
-        forwards=forwards,
+        forwards,
         # Ids taken in one pass at the end: cheaper than one map per module.
-        params=(param_counts, param_keys, list(map(id, param_values))),
-        buffers=(buffer_counts, buffer_keys, list(map(id, buffer_values))),
+        (param_counts, param_keys, list(map(id, param_values))),
+        (buffer_counts, buffer_keys, list(map(id, buffer_values))),
     )
 
 
@@ -328,8 +339,10 @@ def _members(module: nn.Module) -> tuple[_Members, _Members, Mapping[str, nn.Mod
     """``module``'s parameters, buffers and children, read through its attributes.
 
     For modules whose ``__dict__`` lacks them, as a ``torch.jit.trace``d module's does.
+    Parameters and buffers are copied into dicts: the walk iterates them as dicts, and
+    the scripted module's own mappings iterate otherwise.
     """
-    return module._parameters, module._buffers, module._modules
+    return dict(module._parameters.items()), dict(module._buffers.items()), module._modules
 
 
 def _walk_error(

@@ -60,11 +60,26 @@ def torch_registry(module: nn.Module) -> Mapping[str, object]:
         (``"fully_shard"``, ``"replicate"``, ``"checkpoint"``) to torch's entry; empty
         when torch applied none.
     """
+    # Read __dict__ directly: a missing attribute costs nn.Module.__getattr__ a raise.
+    found = module.__dict__.get(_torch_registry_key())
+    return MappingProxyType(dict(found) if found is not None else {})
+
+
+@functools.cache
+def _torch_registry_key() -> str:
+    """The ``__dict__`` key of torch's registry, imported when first needed."""
     from torch.distributed._composable.contract import REGISTRY_KEY
 
-    # Read __dict__ directly: a missing attribute costs nn.Module.__getattr__ a raise.
-    found = module.__dict__.get(REGISTRY_KEY)
-    return MappingProxyType(dict(found) if found is not None else {})
+    return REGISTRY_KEY
+
+
+def _torch_applied(module: nn.Module, name: str) -> bool:
+    """Whether torch applied its API called ``name`` to ``module``: one lookup, no copy.
+
+    What a rule naming a torch API asks of every module inside a target.
+    """
+    found: Mapping[str, object] | None = module.__dict__.get(_torch_registry_key())
+    return found is not None and name in found
 
 
 @attrs.frozen
@@ -162,7 +177,7 @@ def check_compatible(
                     continue
                 if isinstance(ban.other, str):
                     # torch's registry cannot be searched upwards: module and inside only.
-                    found = relation != "around" and ban.other in torch_registry(module)
+                    found = relation != "around" and _torch_applied(module, ban.other)
                     other_name = f"torch's {ban.other}"
                 else:
                     old = REGISTRY.get(module, ban.other)
