@@ -133,7 +133,7 @@ def apis() -> tuple[Any, Any, Any]:
 
 def marginal_per_module(work: Callable[[int], tuple[Work, int]]) -> list[tuple[float, ...]]:
     """The marginal work per module from SMALL to 2 * SMALL, and from LARGE / 2 to LARGE."""
-    ends = []
+    ends: list[tuple[float, ...]] = []
     for low, high in ((SMALL, 2 * SMALL), (LARGE // 2, LARGE)):
         (low_work, low_modules), (high_work, high_modules) = work(low), work(high)
         ends.append((high_work - low_work).per(high_modules - low_modules))

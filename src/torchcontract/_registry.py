@@ -70,7 +70,8 @@ def _torch_registry_key() -> str:
     """The ``__dict__`` key of torch's registry, imported when first needed."""
     from torch.distributed._composable.contract import REGISTRY_KEY
 
-    return REGISTRY_KEY
+    key: str = REGISTRY_KEY
+    return key
 
 
 def _torch_applied(module: nn.Module, name: str) -> bool:
