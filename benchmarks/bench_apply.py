@@ -1,10 +1,10 @@
 """Applying APIs: to one Linear, to the root of a model that has one already, FSDP-style, to a list.
 
 Every round builds a fresh model (untimed), since an API applies once per module.
-The root apply and the FSDP pattern, whose ratios and growth carry targets, time
-torch's contract in rounds interleaved with ours (``harness.time_interleaved``), and
-at 512 blocks both libraries at 64 blocks in every round too: the report's growth
-is the median of those paired rounds' ratios.
+The one-Linear apply, the root apply and the FSDP pattern, whose ratios and growth
+carry targets, time torch's contract in rounds interleaved with ours
+(``harness.time_interleaved``), and at 512 blocks both libraries at 64 blocks in
+every round too: the report's growth is the median of those paired rounds' ratios.
 """
 
 from __future__ import annotations
@@ -45,21 +45,21 @@ def rounds_for(blocks: int) -> int:
 LINEARS = 200
 
 
-def _apply_to_each(library: Library, modules: list[nn.Module]) -> None:
-    for module in modules:
-        library.apply(module)
+def _linears(library: Library, blocks: int) -> Side:
+    """``library``'s API applied to each of ``LINEARS`` fresh ``nn.Linear`` (``blocks`` unused)."""
+
+    def apply_each(modules: list[nn.Module]) -> None:
+        for module in modules:
+            library.apply(module)
+
+    return Side(apply_each, lambda: ([nn.Linear(16, 16) for _ in range(LINEARS)],))
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_apply_to_one_linear(benchmark: BenchmarkFixture, name: str) -> None:
+def test_apply_to_one_linear(benchmark: BenchmarkFixture) -> None:
     """One API applied to each of many fresh ``nn.Linear``: the fixed cost of an apply."""
-    library = library_named(name)
-
-    def prepare() -> tuple[Library, list[nn.Module]]:
-        return library, [nn.Linear(16, 16) for _ in range(LINEARS)]
-
-    label(benchmark, workload="apply to one nn.Linear", library=name, modules=1, calls=LINEARS)
-    time_once_per_model(benchmark, _apply_to_each, prepare, rounds=ROOT_ROUNDS)
+    label(benchmark, workload="apply to one nn.Linear", library=OURS, modules=1, calls=LINEARS)
+    ours, theirs = _both(_linears, 0)
+    time_interleaved(benchmark, ours, theirs, rounds=ROOT_ROUNDS)
 
 
 def _root_apply(library: Library, blocks: int) -> Side:

@@ -457,9 +457,10 @@ def markdown(results: Sequence[Result], document: dict[str, Any]) -> str:
         "",
         f"Growth from {GROWTH_FROM} to {GROWTH_TO} blocks (time at {GROWTH_TO} over time at "
         f"{GROWTH_FROM}; the module count grows ×{_module_growth(results)}, so that is linear). "
-        "The root apply and the FSDP pattern time torch's contract in rounds interleaved "
-        f"with ours, and time both libraries at {GROWTH_FROM} blocks in every "
-        f"{GROWTH_TO}-block round: their growth is the median of those paired rounds' ratios:",
+        "The one-Linear apply, the root apply and the FSDP pattern time torch's contract in "
+        "rounds interleaved with ours; the latter two time both libraries at "
+        f"{GROWTH_FROM} blocks in every {GROWTH_TO}-block round: their growth is the median "
+        "of those paired rounds' ratios:",
         "",
         *growth_table(results),
         "",
