@@ -26,7 +26,7 @@ so no change can hide.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import chain, compress, cycle, repeat
 from operator import ne, not_
 from typing import Final
@@ -58,18 +58,18 @@ class FQNSnapshot:
     the constructor raises ``TypeError``.
 
     Attributes:
-        modules: The module objects of the tree, in ``named_modules(remove_duplicate=False)``
-            order.
         classes: The class of each of ``modules`` at snapshot time.
     """
 
     # Few slots: a snapshot is built twice per apply, and each slot written costs.
     # ``_tree`` is (depths, names); ``_forwards`` maps a module's position to its
     # instance ``forward``; ``_members`` is the parameters and buffers (counts per module, keys,
-    # value ids); ``_names`` caches the FQN tuples built from them, by kind. Filled
-    # by ``_snapshot``, the one place a snapshot is built.
-    __slots__ = ("_forwards", "_members", "_names", "_tree", "classes", "modules")
-    modules: tuple[nn.Module, ...]
+    # value ids); ``_names`` caches the FQN tuples built from them, by kind;
+    # ``_modules`` is the walk's own list of modules, never written after it (copying
+    # it into a tuple would touch every module object again, where a large tree has
+    # left the CPU's caches). Filled by ``_snapshot``, the one place a snapshot is built.
+    __slots__ = ("_forwards", "_members", "_modules", "_names", "_tree", "classes")
+    _modules: Sequence[nn.Module]
     classes: tuple[type[nn.Module], ...]
     _tree: tuple[list[int], list[str]]
     _forwards: Mapping[int, object]
@@ -78,6 +78,11 @@ class FQNSnapshot:
 
     def __init__(self) -> None:
         raise TypeError("FQNSnapshot: snapshots are made by take_snapshot(module); call that")
+
+    @property
+    def modules(self) -> tuple[nn.Module, ...]:
+        """The module objects of the tree, in ``named_modules(remove_duplicate=False)`` order."""
+        return tuple(self._modules)
 
     def _cached(self, kind: str, build: Callable[[], tuple[str, ...]]) -> tuple[str, ...]:
         names = self._names
@@ -169,7 +174,7 @@ class FQNSnapshot:
     @property
     def forwards(self) -> tuple[object, ...]:
         """Per module, the ``forward`` set on the instance at snapshot time, or None."""
-        return tuple(map(self._forwards.get, range(len(self.modules))))
+        return tuple(map(self._forwards.get, range(len(self._modules))))
 
     def same_as(self, other: FQNSnapshot) -> bool:
         """Whether both walks copied the same tree, keys and member objects.
@@ -183,7 +188,7 @@ class FQNSnapshot:
 
     def __repr__(self) -> str:
         return (
-            f"<FQNSnapshot of {len(self.modules)} modules, {len(self.parameters)} parameters, "
+            f"<FQNSnapshot of {len(self._modules)} modules, {len(self.parameters)} parameters, "
             f"{len(self.buffers)} buffers>"
         )
 
@@ -196,7 +201,7 @@ _NO_MEMBERS: Final[_MemberCopy] = ([0, 0], [], [])
 
 
 def _snapshot(
-    modules: tuple[nn.Module, ...],
+    modules: Sequence[nn.Module],
     classes: tuple[type[nn.Module], ...],
     tree: tuple[list[int], list[str]],
     forwards: Mapping[int, object],
@@ -205,7 +210,7 @@ def _snapshot(
 ) -> FQNSnapshot:
     """A snapshot of what one walk copied, built without a Python-level ``__init__``."""
     snapshot = _new(FQNSnapshot)
-    snapshot.modules = modules
+    snapshot._modules = modules
     snapshot.classes = classes
     snapshot._tree = tree
     snapshot._forwards = forwards
@@ -318,7 +323,7 @@ def _walk(root: nn.Module) -> FQNSnapshot:
 
     visit(root, "", 0, visit)
     return _snapshot(
-        tuple(modules),
+        modules,
         tuple(map(type, modules)),
         (depths, names),
         forwards,

@@ -40,7 +40,7 @@ def check_unchanged(
     ):
         if old != new:
             raise FQNChangedError(
-                f"{api_name} changed the {kind} FQNs of {label(before.modules[0])}: "
+                f"{api_name} changed the {kind} FQNs of {label(before._modules[0])}: "
                 f"{_explain(old, new)}. Composable APIs must keep every FQN and its order; "
                 "keep new state in the API's record, not in the module tree"
             )
@@ -91,7 +91,7 @@ def _first_foreign_class(before: FQNSnapshot, after: FQNSnapshot) -> int | None:
     """
     if all(map(is_, before.classes, after.classes)):
         return None
-    for index, (old_cls, new_module) in enumerate(zip(before.classes, after.modules, strict=True)):
+    for index, (old_cls, new_module) in enumerate(zip(before.classes, after._modules, strict=True)):
         if not isinstance(new_module, old_cls):
             becomes: object = getattr(old_cls, "cls_to_become", None)
             if not (isinstance(becomes, type) and isinstance(new_module, becomes)):

@@ -171,7 +171,7 @@ def check_compatible(
         {id(ban.other): ban.other for ban in bans if not isinstance(ban.other, str)}.values()
     )
     for target, snapshot in zip(targets, snapshots, strict=True):
-        neighbours = _neighbours(target, snapshot.modules, banned) if tree_wide else ()
+        neighbours = _neighbours(target, snapshot._modules, banned) if tree_wide else ()
         for module, relation in ((target, "same"), *neighbours):
             for ban in bans:
                 if relation != "same" and ban.scope == "module":
@@ -212,7 +212,7 @@ def _name_in(
     if relation == "inside":
         fqn = next(
             name
-            for name, candidate in zip(snapshot.module_fqns, snapshot.modules, strict=True)
+            for name, candidate in zip(snapshot.module_fqns, snapshot._modules, strict=True)
             if candidate is module
         )
         return f"{type(module).__qualname__} {fqn!r}"
