@@ -8,13 +8,15 @@ workload, library and model size a result belongs to.
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Callable
 from typing import Any, Final
 
+import attrs
 import torch
 from pytest_benchmark.fixture import BenchmarkFixture
 
-__all__ = ["evict_caches", "label", "time_once_per_model"]
+__all__ = ["Side", "evict_caches", "label", "time_interleaved", "time_once_per_model"]
 
 #: Larger than any CPU cache this runs on: writing it evicts whatever was cached.
 _EVICTION_BYTES: Final = 128 * 1024 * 1024
@@ -75,3 +77,73 @@ def time_once_per_model(
     benchmark.pedantic(
         target, setup=setup, teardown=teardown, rounds=rounds, iterations=1, warmup_rounds=0
     )
+
+
+@attrs.frozen
+class Side:
+    """One library's side of a workload timed once per model: what runs, on what it prepares."""
+
+    target: Callable[..., object]
+    prepare: Callable[[], tuple[Any, ...]]
+
+
+def time_round(side: Side) -> float:
+    """One round of ``side`` timed by hand (CPU time), by the rules ``time_once_per_model`` sets."""
+    arguments = side.prepare()
+    evict_caches()
+    gc.freeze()
+    try:
+        started = time.process_time()
+        side.target(*arguments)
+        return time.process_time() - started
+    finally:
+        gc.unfreeze()
+
+
+def time_interleaved(
+    benchmark: BenchmarkFixture,
+    ours: Side,
+    torch_side: Side,
+    *,
+    rounds: int,
+    paired: tuple[Side, Side] | None = None,
+) -> None:
+    """Time ``ours`` through pytest-benchmark and ``torch_side`` by hand between its rounds.
+
+    Torch's round runs just before ours on even rounds and just after it on odd ones,
+    so that both see the same load and neither always follows the other; its times go
+    to ``extra_info["interleaved_torch_seconds"]``, which the report shows as torch's row.
+    ``paired``: the two libraries' sides on a smaller model, both timed in every round
+    too (their order alternating), into ``extra_info["paired_base_seconds"]``: the report
+    divides each round by its paired one, so growth with the model is measured round by
+    round, seconds apart, rather than across a run whose load changes over minutes.
+    """
+    theirs: list[float] = []
+    base: dict[str, list[float]] = {"torchcontract": [], "torch": []}
+    done = 0  # rounds of ours finished
+
+    def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if paired is not None:
+            order = list(zip(base, paired, strict=True))
+            for name, side in order if done % 2 == 0 else order[::-1]:
+                base[name].append(time_round(side))
+        if done % 2 == 0:
+            theirs.append(time_round(torch_side))
+        arguments = ours.prepare()
+        evict_caches()
+        gc.freeze()
+        return arguments, {}
+
+    def teardown(*arguments: object) -> None:
+        nonlocal done
+        gc.unfreeze()
+        if done % 2 == 1:
+            theirs.append(time_round(torch_side))
+        done += 1
+
+    benchmark.pedantic(
+        ours.target, setup=setup, teardown=teardown, rounds=rounds, iterations=1, warmup_rounds=0
+    )
+    benchmark.extra_info["interleaved_torch_seconds"] = theirs
+    if paired is not None:
+        benchmark.extra_info["paired_base_seconds"] = base

@@ -10,7 +10,8 @@ not ``__eq__``/``__hash__``, decides what is shared.
 
 Speed: one walk copies, per module visited, its depth and name in the tree and
 the keys of its ``_parameters`` and ``_buffers`` and the ids of their values into
-flat lists. It builds no string per module: the pre-order sequence of (depth,
+flat lists, the same lists for both kinds (a count of each per module tells them
+apart). It builds no string per module: the pre-order sequence of (depth,
 name) pairs fixes every path, so the FQN tuples can be built from the copies
 later, and only when someone asks for them. Two snapshots whose copies are equal
 (same depths, names, keys and value ids) have equal FQNs: equal ids mean the same
@@ -25,9 +26,9 @@ so no change can hide.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator, Mapping
-from itertools import chain, compress, repeat
-from operator import ne
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from itertools import chain, compress, cycle, repeat
+from operator import ne, not_
 from typing import Final
 
 from torch import nn
@@ -39,7 +40,9 @@ __all__ = ["FQNSnapshot", "descendants", "quote_fqn", "take_snapshot"]
 _NONE_ID: Final = id(None)
 _NO_FORWARD: Final = object()
 
-#: What a walk copies of one kind of member: counts per module, keys, ids of the values.
+#: What a walk copies of members: counts per module, keys, ids of the values. A snapshot
+#: holds one for parameters and buffers together, each module's parameter count followed
+#: by its buffer count, its parameters' keys and ids by its buffers'.
 _MemberCopy = tuple[list[int], list[str], list[int]]
 
 
@@ -55,27 +58,31 @@ class FQNSnapshot:
     the constructor raises ``TypeError``.
 
     Attributes:
-        modules: The module objects of the tree, in ``named_modules(remove_duplicate=False)``
-            order.
         classes: The class of each of ``modules`` at snapshot time.
     """
 
     # Few slots: a snapshot is built twice per apply, and each slot written costs.
     # ``_tree`` is (depths, names); ``_forwards`` maps a module's position to its
-    # instance ``forward``; ``_params`` and ``_buffs`` are (counts per module, keys,
-    # value ids); ``_names`` caches the FQN tuples built from them, by kind. Filled
-    # by ``_snapshot``, the one place a snapshot is built.
-    __slots__ = ("_buffs", "_forwards", "_names", "_params", "_tree", "classes", "modules")
-    modules: tuple[nn.Module, ...]
+    # instance ``forward``; ``_members`` is the parameters and buffers (counts per module, keys,
+    # value ids); ``_names`` caches the FQN tuples built from them, by kind;
+    # ``_modules`` is the walk's own list of modules, never written after it (copying
+    # it into a tuple would touch every module object again, where a large tree has
+    # left the CPU's caches). Filled by ``_snapshot``, the one place a snapshot is built.
+    __slots__ = ("_forwards", "_members", "_modules", "_names", "_tree", "classes")
+    _modules: Sequence[nn.Module]
     classes: tuple[type[nn.Module], ...]
     _tree: tuple[list[int], list[str]]
     _forwards: Mapping[int, object]
-    _params: _MemberCopy
-    _buffs: _MemberCopy
+    _members: _MemberCopy
     _names: dict[str, tuple[str, ...]] | None
 
     def __init__(self) -> None:
         raise TypeError("FQNSnapshot: snapshots are made by take_snapshot(module); call that")
+
+    @property
+    def modules(self) -> tuple[nn.Module, ...]:
+        """The module objects of the tree, in ``named_modules(remove_duplicate=False)`` order."""
+        return tuple(self._modules)
 
     def _cached(self, kind: str, build: Callable[[], tuple[str, ...]]) -> tuple[str, ...]:
         names = self._names
@@ -91,7 +98,8 @@ class FQNSnapshot:
         """Parameter FQNs, as the names of ``named_parameters()``."""
 
         def build() -> tuple[str, ...]:
-            names, ids = _present(self._member_names(self._params), self._params[2])
+            params = self._split()[0]
+            names, ids = _present(self._member_names(params), params[2])
             if len(set(ids)) != len(ids):
                 names = _first_occurrences(names, ids)
             return tuple(names)
@@ -107,7 +115,7 @@ class FQNSnapshot:
         """
         return self._cached(
             "state_dict_parameters",
-            lambda: tuple(_present(self._member_names(self._params), self._params[2])[0]),
+            lambda: tuple(_present(self._member_names(params := self._split()[0]), params[2])[0]),
         )
 
     @property
@@ -115,13 +123,27 @@ class FQNSnapshot:
         """Buffer FQNs, as the names of ``named_buffers(remove_duplicate=False)``."""
         return self._cached(
             "buffers",
-            lambda: tuple(_present(self._member_names(self._buffs), self._buffs[2])[0]),
+            lambda: tuple(_present(self._member_names(buffs := self._split()[1]), buffs[2])[0]),
         )
 
     @property
     def module_fqns(self) -> tuple[str, ...]:
         """Module FQNs, as the names of ``named_modules(remove_duplicate=False)``."""
         return self._cached("modules", lambda: self._build_fqns()[0])
+
+    def _split(self) -> tuple[_MemberCopy, _MemberCopy]:
+        """The parameters' copy and the buffers' copy, apart (each pass in C)."""
+        counts, keys, ids = self._members
+        param_counts, buffer_counts = counts[0::2], counts[1::2]
+        if not any(buffer_counts):
+            return (param_counts, keys, ids), (buffer_counts, [], [])
+        # Per key, whether it is a parameter: each module's count of True, then of False.
+        is_param = list(chain.from_iterable(map(repeat, cycle((True, False)), counts)))
+        is_buffer = list(map(not_, is_param))
+        return (
+            (param_counts, list(compress(keys, is_param)), list(compress(ids, is_param))),
+            (buffer_counts, list(compress(keys, is_buffer)), list(compress(ids, is_buffer))),
+        )
 
     def _member_names(self, members: _MemberCopy) -> list[str]:
         """Each member key of ``members`` joined to the prefix of the module it belongs to."""
@@ -152,7 +174,7 @@ class FQNSnapshot:
     @property
     def forwards(self) -> tuple[object, ...]:
         """Per module, the ``forward`` set on the instance at snapshot time, or None."""
-        return tuple(map(self._forwards.get, range(len(self.modules))))
+        return tuple(map(self._forwards.get, range(len(self._modules))))
 
     def same_as(self, other: FQNSnapshot) -> bool:
         """Whether both walks copied the same tree, keys and member objects.
@@ -160,42 +182,39 @@ class FQNSnapshot:
         True implies equal ``parameters``, ``buffers`` and ``module_fqns``; False
         implies nothing (the names may still agree), so compare the names then.
         """
-        # Tuples of lists compare item by item: depths and names, then counts, keys, ids.
-        return (
-            self._tree == other._tree
-            and self._params == other._params
-            and self._buffs == other._buffs
-        )
+        # Tuples of lists compare item by item: depths and names, then counts, keys, ids;
+        # equal interleaved counts split both kinds' keys and ids alike.
+        return self._tree == other._tree and self._members == other._members
 
     def __repr__(self) -> str:
         return (
-            f"<FQNSnapshot of {len(self.modules)} modules, {len(self.parameters)} parameters, "
+            f"<FQNSnapshot of {len(self._modules)} modules, {len(self.parameters)} parameters, "
             f"{len(self.buffers)} buffers>"
         )
 
 
 _new: Final = object.__new__
-#: The (depths, names) of every leaf: shared, never written.
+#: The (depths, names) of every leaf, and the members of a leaf that has none of a kind:
+#: shared, never written.
 _LEAF_TREE: Final = ([0], [""])
+_NO_MEMBERS: Final[_MemberCopy] = ([0, 0], [], [])
 
 
 def _snapshot(
-    modules: tuple[nn.Module, ...],
+    modules: Sequence[nn.Module],
     classes: tuple[type[nn.Module], ...],
     tree: tuple[list[int], list[str]],
-    *,
     forwards: Mapping[int, object],
-    params: _MemberCopy,
-    buffers: _MemberCopy,
+    members: _MemberCopy,
+    /,
 ) -> FQNSnapshot:
     """A snapshot of what one walk copied, built without a Python-level ``__init__``."""
     snapshot = _new(FQNSnapshot)
-    snapshot.modules = modules
+    snapshot._modules = modules
     snapshot.classes = classes
     snapshot._tree = tree
     snapshot._forwards = forwards
-    snapshot._params = params
-    snapshot._buffs = buffers
+    snapshot._members = members
     snapshot._names = None
     return snapshot
 
@@ -246,36 +265,24 @@ def _walk(root: nn.Module) -> FQNSnapshot:
             (root,),
             (type(root),),
             _LEAF_TREE,
-            forwards={} if forward is _NO_FORWARD else {0: forward},
-            params=([len(params)], list(params), list(map(id, params.values()))),
-            buffers=([len(buffers)], list(buffers), list(map(id, buffers.values()))),
+            {} if forward is _NO_FORWARD else {0: forward},
+            _leaf_members(params, buffers) if params or buffers else _NO_MEMBERS,
         )
     modules: list[nn.Module] = []
     depths: list[int] = []
     names: list[str] = []
     forwards: dict[int, object] = {}
-    param_counts: list[int] = []
-    param_keys: list[str] = []
-    param_values: list[object] = []
-    buffer_counts: list[int] = []
-    buffer_keys: list[str] = []
-    buffer_values: list[object] = []
+    counts: list[int] = []
+    keys: list[str] = []
+    values: list[object] = []
     add_module, add_depth, add_name = modules.append, depths.append, names.append
-    add_param_count, add_param_keys, add_param_values = (
-        param_counts.append,
-        param_keys.extend,
-        param_values.extend,
-    )
-    add_buffer_count, add_buffer_keys, add_buffer_values = (
-        buffer_counts.append,
-        buffer_keys.extend,
-        buffer_values.extend,
-    )
+    add_count, add_keys, add_values = counts.append, keys.extend, values.extend
 
     # Recursion with bound methods and bulk list.extend calls is the fastest
     # pure-Python walk measured; the depth limit is the one named_modules() has.
     # Names are the dict keys themselves and depths are small cached ints, so a
-    # walk allocates nothing per module but list slots. visit reaches itself
+    # walk allocates nothing per module but list slots (and a view of each
+    # non-empty dict of members or children). visit reaches itself
     # through an argument, not through its closure: a closure that refers to
     # itself is a reference cycle, which would keep every module of the tree alive
     # until the cycle collector runs (never, where training loops disable it).
@@ -296,28 +303,43 @@ def _walk(root: nn.Module) -> FQNSnapshot:
         add_module(module)
         add_depth(depth)
         add_name(name)
-        add_param_count(len(own_params))
-        if own_params:
-            add_param_keys(own_params.keys())
-            add_param_values(own_params.values())
-        add_buffer_count(len(own_buffers))
-        if own_buffers:
-            add_buffer_keys(own_buffers.keys())
-            add_buffer_values(own_buffers.values())
-        depth += 1
-        for child_name, child in children.items():
-            if child is not None:
-                recurse(child, child_name, depth, recurse)
+        # Keys by iterating the dict itself, children only where there are any: each
+        # view or iterator not made is an allocation fewer per module.
+        count = len(own_params)
+        add_count(count)
+        if count:
+            add_keys(own_params)
+            add_values(own_params.values())
+        count = len(own_buffers)
+        add_count(count)
+        if count:
+            add_keys(own_buffers)
+            add_values(own_buffers.values())
+        if children:
+            depth += 1
+            for child_name, child in children.items():
+                if child is not None:
+                    recurse(child, child_name, depth, recurse)
 
     visit(root, "", 0, visit)
     return _snapshot(
-        tuple(modules),
+        modules,
         tuple(map(type, modules)),
         (depths, names),
-        forwards=forwards,
+        forwards,
         # Ids taken in one pass at the end: cheaper than one map per module.
-        params=(param_counts, param_keys, list(map(id, param_values))),
-        buffers=(buffer_counts, buffer_keys, list(map(id, buffer_values))),
+        (counts, keys, list(map(id, values))),
+    )
+
+
+def _leaf_members(params: _Members, buffers: _Members) -> _MemberCopy:
+    """The members of a module without children, copied as a walk copies them."""
+    if not buffers:
+        return [len(params), 0], list(params), list(map(id, params.values()))
+    return (
+        [len(params), len(buffers)],
+        [*params, *buffers],
+        [*map(id, params.values()), *map(id, buffers.values())],
     )
 
 
@@ -328,8 +350,10 @@ def _members(module: nn.Module) -> tuple[_Members, _Members, Mapping[str, nn.Mod
     """``module``'s parameters, buffers and children, read through its attributes.
 
     For modules whose ``__dict__`` lacks them, as a ``torch.jit.trace``d module's does.
+    Parameters and buffers are copied into dicts: the walk iterates them as dicts, and
+    the scripted module's own mappings iterate otherwise.
     """
-    return module._parameters, module._buffers, module._modules
+    return dict(module._parameters.items()), dict(module._buffers.items()), module._modules
 
 
 def _walk_error(

@@ -60,11 +60,27 @@ def torch_registry(module: nn.Module) -> Mapping[str, object]:
         (``"fully_shard"``, ``"replicate"``, ``"checkpoint"``) to torch's entry; empty
         when torch applied none.
     """
+    # Read __dict__ directly: a missing attribute costs nn.Module.__getattr__ a raise.
+    found = module.__dict__.get(_torch_registry_key())
+    return MappingProxyType(dict(found) if found is not None else {})
+
+
+@functools.cache
+def _torch_registry_key() -> str:
+    """The ``__dict__`` key of torch's registry, imported when first needed."""
     from torch.distributed._composable.contract import REGISTRY_KEY
 
-    # Read __dict__ directly: a missing attribute costs nn.Module.__getattr__ a raise.
-    found = module.__dict__.get(REGISTRY_KEY)
-    return MappingProxyType(dict(found) if found is not None else {})
+    key: str = REGISTRY_KEY
+    return key
+
+
+def _torch_applied(module: nn.Module, name: str) -> bool:
+    """Whether torch applied its API called ``name`` to ``module``: one lookup, no copy.
+
+    What a rule naming a torch API asks of every module inside a target.
+    """
+    found: Mapping[str, object] | None = module.__dict__.get(_torch_registry_key())
+    return found is not None and name in found
 
 
 @attrs.frozen
@@ -155,14 +171,14 @@ def check_compatible(
         {id(ban.other): ban.other for ban in bans if not isinstance(ban.other, str)}.values()
     )
     for target, snapshot in zip(targets, snapshots, strict=True):
-        neighbours = _neighbours(target, snapshot.modules, banned) if tree_wide else ()
+        neighbours = _neighbours(target, snapshot._modules, banned) if tree_wide else ()
         for module, relation in ((target, "same"), *neighbours):
             for ban in bans:
                 if relation != "same" and ban.scope == "module":
                     continue
                 if isinstance(ban.other, str):
                     # torch's registry cannot be searched upwards: module and inside only.
-                    found = relation != "around" and ban.other in torch_registry(module)
+                    found = relation != "around" and _torch_applied(module, ban.other)
                     other_name = f"torch's {ban.other}"
                 else:
                     old = REGISTRY.get(module, ban.other)
@@ -196,7 +212,7 @@ def _name_in(
     if relation == "inside":
         fqn = next(
             name
-            for name, candidate in zip(snapshot.module_fqns, snapshot.modules, strict=True)
+            for name, candidate in zip(snapshot.module_fqns, snapshot._modules, strict=True)
             if candidate is module
         )
         return f"{type(module).__qualname__} {fqn!r}"
