@@ -291,6 +291,15 @@ DIFFERENCES: Final = (
     ),
     Difference(
         "replicate",
+        "`broadcast_buffers`'s default, before torch 2.13",
+        "`None`, DDP's from torch 2.13 on: before it, where DDP has no `forward_sync_buffers`, "
+        "`None` means `True`",
+        "`True` before torch 2.13; `None` from it (deprecated in favour of `forward_sync_buffers`)",
+        "The same buffers are broadcast on every release: one signature serves them all.",
+        "probe:broadcast_buffers_default",
+    ),
+    Difference(
+        "replicate",
         "A module with no parameter that requires a gradient",
         "refused",
         "refused with a `RuntimeError`",

@@ -224,7 +224,14 @@ def _default(function: Callable[..., object], keyword: str) -> object:
     return inspect.signature(function).parameters[keyword].default
 
 
+def _broadcast_buffers_default() -> None:
+    assert _default(replicate, "broadcast_buffers") is None
+    sync = inspect.signature(DistributedDataParallel).parameters.get("forward_sync_buffers")
+    assert _default(DistributedDataParallel, "broadcast_buffers") is (None if sync else True)
+
+
 PROBES: dict[str, Probe] = {
+    "broadcast_buffers_default": _broadcast_buffers_default,
     "accelerator_methods": _accelerator_methods,
     "deepcopy_of_a_sharded_module": _deepcopy_of_a_sharded_module,
     "module_sharded_after_its_parent": _module_sharded_after_its_parent,

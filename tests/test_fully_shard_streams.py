@@ -208,3 +208,24 @@ def test_post_forward_gather_waits_for_what_the_forward_kept(backend: FakeBacken
         assert log[index - 1] != "copy_in waits compute"
     for index in gathers[2:]:  # what forward kept, written on the compute stream
         assert log[index - 1] == "copy_in waits compute"
+
+
+def test_a_gather_input_of_its_own_is_held_by_the_compute_stream_too(
+    backend: FakeBackend,
+) -> None:
+    """The batched input is a view of the output; a post-forward gather's is not (FSDP2's
+    discipline: no copy-in may reuse an input the all-gather stream is still reading)."""
+    with fake_mesh((4,)) as flat:
+        torch.manual_seed(0)
+        model: Any = Model()
+        for module in (model.first, model.second):
+            fully_shard(module, mesh=flat, reshard_after_forward=2)
+        fully_shard(model, mesh=flat)
+        log = _step(model, backend)
+    waits = [
+        index
+        for index, entry in enumerate(log)
+        if entry.startswith("compute waits event") and entry.endswith("@all_gather")
+    ]
+    held = [log[index + 1 : index + 3].count("record_stream compute") for index in waits]
+    assert held == [1, 1, 2, 2]  # forward: the output alone; backward: output and input

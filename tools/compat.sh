@@ -39,6 +39,12 @@ for version in $versions; do
         -c <(echo "torch==$version") -r requirements-torchft.txt; then
       echo "== torch $version: torchft does not install beside it; its tests will skip"
     fi
+    # torchao where it imports beside this torch (0.18 needs a torch newer than 2.6): elsewhere
+    # it is removed, its tests skip, and transformers, which imports it when present, works.
+    if ! "$venv/bin/python" -c "import torchao" >/dev/null 2>&1; then
+      echo "== torch $version: torchao does not import beside it; removed, its tests will skip"
+      "$venv/bin/pip" uninstall --quiet --yes torchao
+    fi
     rm -f "$venv"/.installed-*
     touch "$venv/.installed-$stamp"
   fi

@@ -87,7 +87,11 @@ class _Part:
     def finish(self) -> None:
         gathered = self.gathered
         if gathered is not None and self.streams is not None and self.event is not None:
-            self.streams.copy_out_after(self.event, gathered)
+            # The batched input is a view of ``gathered``; any other is a tensor of its own,
+            # which the caching allocator must not hand to the next copy-in before the
+            # gather that reads it is done: held by the stream that waits for the gather.
+            held = () if self.batched or self.flat is None else (self.flat,)
+            self.streams.copy_out_after(self.event, gathered, *held)
         if gathered is None:
             pass
         elif self.batched:

@@ -134,11 +134,16 @@ class CommStreams:
         """The event the copy-out waits for: recorded on the all-gather stream."""
         return self.backend.record_event(self.all_gather)
 
-    def copy_out_after(self, event: torch.Event, gathered: Tensor) -> None:
-        """Before the copy-out: the compute stream waits for the gather, and holds its output."""
+    def copy_out_after(self, event: torch.Event, *tensors: Tensor) -> None:
+        """Before the copy-out: the compute stream waits for the gather, and holds ``tensors``.
+
+        ``tensors``: the gather's output, and its input where that is not a view of it;
+        their memory is reused only once the compute stream, and so the gather, is past them.
+        """
         current = self.backend.current_stream()
         self.backend.wait_event(current, event)
-        self.backend.record_stream(gathered, current)
+        for tensor in tensors:
+            self.backend.record_stream(tensor, current)
 
     @contextmanager
     def reducing(self, flat: Tensor) -> Generator[None]:
