@@ -50,7 +50,9 @@ PHASES: Final = ("hsdp", "replicate")
 FINAL_LINE: Final = re.compile(
     r"final \((?:replicate|fully_shard|hsdp)\): step 10 loss \d+\.\d{6} parameters [0-9a-f]{16}"
 )
-ENVIRONMENT: Final = {**os.environ, "PYTHONUNBUFFERED": "1"}
+#: Unbuffered, so a killed worker's output is all there; and a worker that dies of a fatal
+#: signal (SIGABRT from native code) prints its Python stacks (faulthandler).
+ENVIRONMENT: Final = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
 
 
 @attrs.frozen

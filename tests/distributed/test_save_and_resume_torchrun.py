@@ -25,7 +25,9 @@ PAGE: Final = DOCS / "save-and-resume.md"
 #: Seconds for one torchrun command: 2 workers start, train 60 steps, save 12 checkpoints.
 TIMEOUT: Final = 240.0
 CHECK: Final = re.compile(r"trained 60 steps; check value -?\d+\.\d{8}")
-ENVIRONMENT: Final = {**os.environ, "PYTHONUNBUFFERED": "1"}
+#: Unbuffered, so a killed worker's output is all there; and a worker that dies of a fatal
+#: signal (SIGABRT from native code) prints its Python stacks (faulthandler).
+ENVIRONMENT: Final = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
 
 
 def _script(tmp_path: Path) -> Path:
@@ -83,7 +85,7 @@ def test_a_killed_run_resumes_and_ends_as_the_uninterrupted_one(api: str, tmp_pa
     assert "step-000060" not in published  # it was killed before the end
 
     resumed = run_command(arguments, timeout=TIMEOUT, env=ENVIRONMENT)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, resumed.stderr[-12000:]
     assert f"resuming from {published[-1]}" in resumed.stdout
     assert _check_value(resumed.stdout) == expected
 
