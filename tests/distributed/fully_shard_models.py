@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn import functional
 
 from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
+from torchcontract.testing import free_port
 
 #: For tests that compare with PyTorch's fully_shard, which cannot run on CPU on every torch.
 needs_reference_fully_shard = pytest.mark.skipif(
@@ -49,6 +52,19 @@ class Block(nn.Module):
         )
         x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, DIM))
         out: Tensor = x + self.down(functional.gelu(self.up(self.norm2(x))))
+        return out
+
+
+class MLP(nn.Module):
+    """The MLP of PyTorch's FSDP tests: ``dim -> dim * multiplier -> dim``."""
+
+    def __init__(self, dim: int, multiplier: int = 4, bias: bool = True) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(dim, dim * multiplier, bias=bias)
+        self.out_proj = nn.Linear(dim * multiplier, dim, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.out_proj(torch.relu(self.in_proj(x)))
         return out
 
 
@@ -158,3 +174,16 @@ def tiny_llama_config() -> Any:
         max_position_embeddings=32,
         tie_word_embeddings=False,
     )
+
+
+@contextmanager
+def one_rank_cuda_mesh() -> Iterator[DeviceMesh]:
+    """A 1-D CUDA mesh of this one process, over NCCL, for the ``gpu`` tests."""
+    torch.cuda.set_device(0)
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        yield init_device_mesh("cuda", (1,))
+    finally:
+        dist.destroy_process_group()

@@ -18,9 +18,17 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from fully_shard_models import GPT, batch, full_parameters, gpt, largest_gap, loss_on
+from fully_shard_models import (
+    GPT,
+    batch,
+    full_parameters,
+    gpt,
+    largest_gap,
+    loss_on,
+    one_rank_cuda_mesh,
+)
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -30,7 +38,6 @@ from torchcontract.apis.fully_shard import (
     set_modules_to_backward_prefetch,
     set_modules_to_forward_prefetch,
 )
-from torchcontract.testing import free_port
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,14 +57,8 @@ Shard = Callable[[GPT, DeviceMesh], None]
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[DeviceMesh]:
     """A 1-D CUDA mesh of this one process, over NCCL."""
-    torch.cuda.set_device(0)
-    dist.init_process_group(
-        "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    try:
-        yield init_device_mesh("cuda", (1,))
-    finally:
-        dist.destroy_process_group()
+    with one_rank_cuda_mesh() as cuda_mesh:
+        yield cuda_mesh
 
 
 def _train(model: nn.Module) -> list[float]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from fully_shard_models import GPT, batch, gpt, loss_on
+from fully_shard_models import GPT, batch, gpt, loss_on, one_rank_cuda_mesh
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -27,7 +27,6 @@ from torch.profiler import ProfilerActivity, profile
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchcontract.apis import fully_shard
-from torchcontract.testing import free_port
 
 pytestmark = [
     pytest.mark.gpu,
@@ -92,14 +91,9 @@ def test_copy_in_and_reduce_scatter_run_off_the_compute_stream(
 
 @pytest.fixture
 def nccl_mesh() -> Iterator[DeviceMesh]:
-    torch.cuda.set_device(0)
-    dist.init_process_group(
-        "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    try:
-        yield init_device_mesh("cuda", (1,))
-    finally:
-        dist.destroy_process_group()
+    """A 1-D CUDA mesh of this one process, over NCCL."""
+    with one_rank_cuda_mesh() as cuda_mesh:
+        yield cuda_mesh
 
 
 def _train_with_post_optim_event(model: GPT, module: FSDPModule) -> list[float]:

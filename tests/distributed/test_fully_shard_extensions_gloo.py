@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from extension_tensors import CALLS, BFloat16Gathered, ScaledInt8Weight, plain
-from fully_shard_models import needs_reference_fully_shard
+from fully_shard_models import MLP, needs_reference_fully_shard
 from fully_shard_recorder import Recorder
 from torch import Tensor, nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
@@ -35,19 +35,6 @@ Results = dict[str, Any]
 APIS: dict[str, Callable[..., Any]] = {"ours": fully_shard, "torch": torch_fully_shard}
 #: The APIs the jobs run: FSDP2 only where it runs on CPU (the tests beside it skip elsewhere).
 RUN: tuple[str, ...] = ("ours", "torch") if REFERENCE_FULLY_SHARD_ON_CPU else ("ours",)
-
-
-class MLP(nn.Module):
-    """PyTorch's test MLP: in_proj, ReLU, out_proj."""
-
-    def __init__(self, dim: int, multiplier: int = 4, bias: bool = True) -> None:
-        super().__init__()
-        self.in_proj = nn.Linear(dim, dim * multiplier, bias=bias)
-        self.out_proj = nn.Linear(dim * multiplier, dim, bias=bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        output: Tensor = self.out_proj(torch.relu(self.in_proj(x)))
-        return output
 
 
 def _local(parameter: Tensor) -> Tensor:

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 import torch.distributed as dist
-from fully_shard_models import full_gradients, full_parameters, largest_gap
+from fully_shard_models import MLP, full_gradients, full_parameters, largest_gap
 from fully_shard_models import needs_reference_fully_shard as needs_reference
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -37,19 +37,6 @@ pytestmark = needs_reference
 Apply = Callable[..., Any]
 Results = dict[str, Any]
 APPLIES: dict[str, Apply] = {"torch": torch_fully_shard, "ours": fully_shard}
-
-
-class MLP(nn.Module):
-    """The MLP of PyTorch's FSDP tests: ``dim -> dim * multiplier -> dim``."""
-
-    def __init__(self, dim: int, multiplier: int = 4, bias: bool = True) -> None:
-        super().__init__()
-        self.in_proj = nn.Linear(dim, dim * multiplier, bias=bias)
-        self.out_proj = nn.Linear(dim * multiplier, dim, bias=bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.out_proj(torch.relu(self.in_proj(x)))
-        return out
 
 
 def _load(model: nn.Module, full: dict[str, Tensor]) -> None:
