@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 
+import attrs
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -257,43 +258,57 @@ def reduce_scatter(
     the events the end of backward waits for (none on the CPU).
     """
     dtypes = [reduce_dtype or grad.dtype for grad in grads]
+    reduction = _Reduction(
+        group,
+        replicate_group,
+        hook,
+        all_reduce,
+        {} if deferred is None else deferred,
+        divide_factor,
+        force_sum,
+        comm,
+    )
     events: list[torch.Event] = []
     for same_dtype in _by_dtype(parameters, dtypes):
         event = _reduce_scatter_one_dtype(
             [parameters[index] for index in same_dtype],
             [grads[index] for index in same_dtype],
-            group,
             dtypes[same_dtype[0]],
-            replicate_group=replicate_group,
-            hook=hook,
-            all_reduce=all_reduce,
-            deferred={} if deferred is None else deferred,
-            divide_factor=divide_factor,
-            force_sum=force_sum,
-            comm=comm,
-            streams=streams,
+            reduction,
+            streams,
         )
         if event is not None:
             events.append(event)
     return events
 
 
+@attrs.frozen
+class _Reduction:
+    """How one ``reduce_scatter`` call reduces, the same for each of its dtypes."""
+
+    group: dist.ProcessGroup
+    replicate_group: dist.ProcessGroup | None
+    hook: Callable[[Tensor], None] | None
+    all_reduce: bool
+    deferred: dict[int, Tensor]
+    divide_factor: float | None
+    force_sum: bool
+    comm: ReduceScatterComm | None
+
+    @property
+    def replicas(self) -> int:
+        """The replicas HSDP all-reduces over (1 without HSDP)."""
+        return 1 if self.replicate_group is None else self.replicate_group.size()
+
+
 def _reduce_scatter_one_dtype(
     parameters: Sequence[ManagedParameter],
     grads: Sequence[Tensor],
-    group: dist.ProcessGroup,
     dtype: torch.dtype,
-    *,
-    replicate_group: dist.ProcessGroup | None,
-    hook: Callable[[Tensor], None] | None,
-    all_reduce: bool,
-    deferred: dict[int, Tensor],
-    divide_factor: float | None,
-    force_sum: bool,
-    comm: ReduceScatterComm | None,
+    reduction: _Reduction,
     streams: CommStreams | None,
 ) -> torch.Event | None:
-    world = group.size()
+    world = reduction.group.size()
     if _copies.batched(parameters) and not any(isinstance(grad, DTensor) for grad in grads):
         numel = sum(parameter.padded_shard_numel for parameter in parameters)
         flat = _copies.gradient_input(grads, dtype, world, numel)
@@ -315,19 +330,12 @@ def _reduce_scatter_one_dtype(
             parameters,
             flat,
             numel,
-            group,
             dtype,
-            replicate_group=replicate_group,
-            hook=hook,
-            all_reduce=all_reduce,
-            deferred=deferred,
-            divide_factor=divide_factor,
-            force_sum=force_sum,
-            comm=comm,
+            reduction,
             all_reducing=None if streams is None else streams.all_reducing,
         )
         if streams is not None and last is not None:
-            if replicate_group is not None and all_reduce and replicate_group.size() > 1:
+            if reduction.all_reduce and reduction.replicas > 1:
                 last = streams.all_reduce
             return streams.reduced(last)
     return None
@@ -337,23 +345,14 @@ def _reduce(
     parameters: Sequence[ManagedParameter],
     flat: Tensor,
     numel: int,
-    group: dist.ProcessGroup,
     dtype: torch.dtype,
+    reduction: _Reduction,
     *,
-    replicate_group: dist.ProcessGroup | None,
-    hook: Callable[[Tensor], None] | None,
-    all_reduce: bool,
-    deferred: dict[int, Tensor],
-    divide_factor: float | None,
-    force_sum: bool,
-    comm: ReduceScatterComm | None,
     all_reducing: Callable[[Tensor], AbstractContextManager[None]] | None,
 ) -> None:
     """Reduce-scatter ``flat``, all-reduce over replicas, store the shards' gradients."""
-    world = group.size()
-    replicas = 1 if replicate_group is None else replicate_group.size()
-    # Whether the all-reduce averages (no factor, no forced sum) or only sums.
-    averaging = divide_factor is None and not force_sum
+    group, divide_factor, force_sum = reduction.group, reduction.divide_factor, reduction.force_sum
+    world, replicas, comm = group.size(), reduction.replicas, reduction.comm
     if comm is not None:
         reduced = _custom_reduce_scatter(comm, flat, group, divide_factor, force_sum)
     elif world == 1:  # the flat input is this rank's alone: reduced in place
@@ -370,51 +369,33 @@ def _reduce(
     else:  # FSDP2's PREMUL_SUM(1 / factor)
         reduced = torch.empty(numel, dtype=dtype, device=flat.device)
         _torch.reduce_scatter_sum(reduced, flat.mul_(1 / divide_factor), group)
+    replicate_group, deferred = reduction.replicate_group, reduction.deferred
     if replicate_group is not None:
-        if not all_reduce:
+        if not reduction.all_reduce:
             _defer(parameters, reduced, deferred)
             return
         if deferred:  # only after a backward with the all-reduce off
             _take_deferred(parameters, reduced, deferred)
-        if replicas > 1:
-            with _on(None if all_reducing is None else all_reducing(reduced)):
-                _torch.all_reduce(reduced, replicate_group).wait()
-                if averaging:
-                    reduced.div_(replicas)
-                _store(
-                    parameters,
-                    reduced,
-                    hook=hook,
-                    force_sum=force_sum,
-                    divide_factor=divide_factor,
-                    world=world,
-                    replicas=replicas,
-                )
-            return
-    _store(
-        parameters,
-        reduced,
-        hook=hook,
-        force_sum=force_sum,
-        divide_factor=divide_factor,
-        world=world,
-        replicas=replicas,
-    )
+    over = replicate_group if replicas > 1 else None  # the replicas all-reduced over
+    with _on(None if over is None or all_reducing is None else all_reducing(reduced)):
+        if over is not None:
+            _torch.all_reduce(reduced, over).wait()
+            if divide_factor is None and not force_sum:  # the all-reduce averages
+                reduced.div_(replicas)
+        _store(parameters, reduced, reduction, world)
 
 
 def _store(
-    parameters: Sequence[ManagedParameter],
-    reduced: Tensor,
-    *,
-    hook: Callable[[Tensor], None] | None,
-    force_sum: bool,
-    divide_factor: float | None,
-    world: int,
-    replicas: int,
+    parameters: Sequence[ManagedParameter], reduced: Tensor, reduction: _Reduction, world: int
 ) -> None:
     """The reduced shards: to the all-reduce hook, divided after a forced sum, to ``.grad``."""
-    if hook is not None:
-        hook(reduced)
+    force_sum, divide_factor, replicas = (
+        reduction.force_sum,
+        reduction.divide_factor,
+        reduction.replicas,
+    )
+    if reduction.hook is not None:
+        reduction.hook(reduced)
     if force_sum:  # FSDP2 divides after its sums, by the factor or the mesh's size
         after = float(world * replicas) if divide_factor is None else divide_factor
         if after != 1:
