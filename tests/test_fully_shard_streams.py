@@ -11,59 +11,15 @@ waiting for it. The real streams run under ``tests/distributed/test_cuda_streams
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from contextlib import contextmanager
 from typing import Any, cast
 
 import pytest
 import torch
+from fake_streams import FakeBackend, use_fake_streams
 from fake_world import fake_mesh
 from torch import Tensor, nn
 
 from torchcontract.apis import fully_shard
-from torchcontract.apis.fully_shard import _hooks
-from torchcontract.apis.fully_shard._streams import CommStreams
-
-
-class FakeBackend:
-    """A stream API that logs what it is asked to do, in order; streams are names."""
-
-    def __init__(self) -> None:
-        self.log: list[str] = []
-        self.names = iter(["copy_in", "all_gather", "reduce_scatter", "all_reduce"])
-        self.stack = ["compute"]
-        self.events = 0
-
-    def current_stream(self) -> torch.Stream:
-        return cast(torch.Stream, self.stack[-1])
-
-    def new_stream(self, priority: int) -> torch.Stream:
-        return cast(torch.Stream, next(self.names))
-
-    @contextmanager
-    def use(self, stream: torch.Stream) -> Generator[object]:
-        self.stack.append(cast(str, stream))
-        self.log.append(f"enter {stream}")
-        try:
-            yield stream
-        finally:
-            self.stack.pop()
-            self.log.append(f"leave {stream}")
-
-    def wait_stream(self, waiter: torch.Stream, waited: torch.Stream) -> None:
-        self.log.append(f"{waiter} waits {waited}")
-
-    def wait_event(self, waiter: torch.Stream, event: torch.Event) -> None:
-        self.log.append(f"{waiter} waits {event}")
-
-    def record_event(self, stream: torch.Stream) -> torch.Event:
-        self.events += 1
-        event = f"event{self.events}@{stream}"
-        self.log.append(f"record {event}")
-        return cast(torch.Event, event)
-
-    def record_stream(self, tensor: Tensor, stream: torch.Stream) -> None:
-        self.log.append(f"record_stream {stream}")
 
 
 class Model(nn.Module):
@@ -78,9 +34,7 @@ class Model(nn.Module):
 
 @pytest.fixture
 def backend(monkeypatch: pytest.MonkeyPatch) -> FakeBackend:
-    fake = FakeBackend()
-    monkeypatch.setattr(_hooks, "streams_for", lambda device_type: CommStreams(fake))
-    return fake
+    return use_fake_streams(monkeypatch)
 
 
 def _sharded() -> Any:
@@ -208,6 +162,12 @@ def test_post_forward_gather_waits_for_what_the_forward_kept(backend: FakeBacken
         assert log[index - 1] != "copy_in waits compute"
     for index in gathers[2:]:  # what forward kept, written on the compute stream
         assert log[index - 1] == "copy_in waits compute"
+        # and handed to the copy-in (weight and bias): not reused before it has read them
+        assert log[index + 1 : index + 4] == [
+            "record_stream copy_in",
+            "record_stream copy_in",
+            "leave copy_in",
+        ]
 
 
 def test_a_gather_input_of_its_own_is_held_by_the_compute_stream_too(

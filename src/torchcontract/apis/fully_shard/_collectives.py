@@ -23,7 +23,7 @@ from ._comms import AllGatherComm, ReduceScatterComm
 from ._sharding import ManagedParameter
 from ._streams import CommStreams
 
-__all__ = ["PendingGather", "all_gather", "reduce_scatter", "start_all_gather"]
+__all__ = ["PendingGather", "all_gather", "on_stream", "reduce_scatter", "start_all_gather"]
 
 
 class PendingGather:
@@ -138,16 +138,17 @@ def start_all_gather(
             _copies.copy_shards(chosen, dtype)
             parts.append(_Part(chosen, None, None, world, batched=True))
             continue
-        with _on(streams.copying_in() if streams is not None else None):
+        with on_stream(streams.copying_in() if streams is not None else None):
             if batched:
                 flat, gathered = _copies.copy_in(chosen, dtype, world, group.rank())
             else:
-                flat = torch.cat(
-                    [
-                        parameter.post_forward_input() if post_forward else parameter.gather_input()
-                        for parameter in chosen
-                    ]
-                )
+                inputs = [
+                    parameter.post_forward_input() if post_forward else parameter.gather_input()
+                    for parameter in chosen
+                ]
+                if streams is not None and post_forward:
+                    streams.hold_for_copy_in(inputs)
+                flat = torch.cat(inputs)
                 numel = world * flat.numel()
                 if comm is not None:
                     gathered = _comms.allocate(comm, numel, flat.dtype, flat.device)
@@ -155,7 +156,7 @@ def start_all_gather(
                     gathered = torch.empty(numel, dtype=flat.dtype, device=flat.device)
                     if world == 1:
                         gathered.copy_(flat)
-        with _on(streams.gathering() if streams is not None else None):
+        with on_stream(streams.gathering() if streams is not None else None):
             if comm is not None:
                 work = _comms.all_gather(
                     comm, gathered, flat, group, async_op=async_op and streams is None
@@ -177,7 +178,7 @@ def all_gather(parameters: Sequence[ManagedParameter], group: dist.ProcessGroup)
     start_all_gather(parameters, group, async_op=False).finish()
 
 
-def _on(context: AbstractContextManager[object] | None) -> AbstractContextManager[object]:
+def on_stream(context: AbstractContextManager[object] | None) -> AbstractContextManager[object]:
     """``context``, or nothing (the CPU: no stream)."""
     return nullcontext() if context is None else context
 
@@ -377,7 +378,7 @@ def _reduce(
         if deferred:  # only after a backward with the all-reduce off
             _take_deferred(parameters, reduced, deferred)
     over = replicate_group if replicas > 1 else None  # the replicas all-reduced over
-    with _on(None if over is None or all_reducing is None else all_reducing(reduced)):
+    with on_stream(None if over is None or all_reducing is None else all_reducing(reduced)):
         if over is not None:
             _torch.all_reduce(reduced, over).wait()
             if divide_factor is None and not force_sum:  # the all-reduce averages

@@ -26,10 +26,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from . import _comms
-from ._collectives import PendingGather
+from ._collectives import PendingGather, on_stream
 from ._comms import AllGatherComm
 from ._extension import Extension, defines_hooks
 from ._sharding import ManagedParameter
+from ._streams import CommStreams
 
 __all__ = ["ExtendedGather", "detect", "start_extended_gather"]
 
@@ -77,25 +78,42 @@ def start_extended_gather(
     post_forward: bool = False,
     comm: AllGatherComm | None,
     mp_policy: MixedPrecisionPolicy,
+    streams: CommStreams | None = None,
 ) -> PendingGather:
     """Start the all-gather of ``parameters`` over ``group``, some of which have the hooks.
 
     FSDP2's single collective of every parameter's inputs; ``mp_policy`` goes to
     the pre-all-gathers, ``comm`` (``set_custom_all_gather``) runs it if given.
+    With ``streams`` (an accelerator), as FSDP2's ``foreach_all_gather``: the
+    pre-all-gathers and the copy-in run on the copy-in stream, the collective on the
+    all-gather stream, and ``finish`` orders the copy-out after it.
     """
-    inputs = [_inputs(parameter, post_forward, mp_policy) for parameter in parameters]
-    flat_inputs = [tensor for each in inputs for tensor in each]
-    dtype = flat_inputs[0].dtype
-    if any(tensor.dtype != dtype for tensor in flat_inputs):
-        dtype = torch.uint8
-        flat_inputs = [tensor.view(torch.uint8) for tensor in flat_inputs]
-    flat = torch.cat(flat_inputs)
-    world = group.size()
-    gathered = _comms.allocate(comm, world * flat.numel(), dtype, flat.device)
-    work = _comms.all_gather(comm, gathered, flat, group, async_op=async_op)
+    with on_stream(streams.copying_in() if streams is not None else None):
+        inputs = [_inputs(parameter, post_forward, mp_policy) for parameter in parameters]
+        flat_inputs = [tensor for each in inputs for tensor in each]
+        if streams is not None and post_forward:
+            streams.hold_for_copy_in(flat_inputs)
+        dtype = flat_inputs[0].dtype
+        if any(tensor.dtype != dtype for tensor in flat_inputs):
+            dtype = torch.uint8
+            flat_inputs = [tensor.view(torch.uint8) for tensor in flat_inputs]
+        flat = torch.cat(flat_inputs)
+        world = group.size()
+        gathered = _comms.allocate(comm, world * flat.numel(), dtype, flat.device)
+    with on_stream(streams.gathering() if streams is not None else None):
+        work = _comms.all_gather(comm, gathered, flat, group, async_op=async_op and streams is None)
+        event = None if streams is None else streams.gathered()
     sizes = [tensor.numel() for tensor in flat_inputs]
     works = [] if work is None else [work]
-    return ExtendedGather(parameters, flat, gathered, works=works, sizes=sizes, world=world)
+    return ExtendedGather(
+        parameters,
+        flat,
+        gathered,
+        works=works,
+        sizes=sizes,
+        world=world,
+        ordered=None if streams is None or event is None else (streams, event),
+    )
 
 
 def _inputs(
@@ -119,9 +137,13 @@ def _inputs(
 
 
 class ExtendedGather(PendingGather):
-    """An extended all-gather in flight: ``finish()`` waits, copies out, runs the post-hooks."""
+    """An extended all-gather in flight: ``finish()`` waits, copies out, runs the post-hooks.
 
-    __slots__ = ("_extended", "_flat")
+    ``ordered``: on an accelerator, the streams and the all-gather stream's event the
+    copy-out waits for.
+    """
+
+    __slots__ = ("_extended", "_flat", "_ordered")
 
     def __init__(
         self,
@@ -132,16 +154,22 @@ class ExtendedGather(PendingGather):
         works: list[dist.Work],
         sizes: list[int],
         world: int,
+        ordered: tuple[CommStreams, torch.Event] | None = None,
     ) -> None:
         super().__init__([], works)
         self._flat = flat  # the collective reads it (on gloo's thread) until finished
         self._extended = (parameters, gathered, sizes, world)
+        self._ordered = ordered
 
     def finish(self) -> None:
         """Wait, copy each output into place, and make or refill the unsharded parameters."""
         self.discard()
         self._parts = []
         parameters, gathered, sizes, world = self._extended
+        if self._ordered is not None:
+            # The input is a tensor of its own, read by the all-gather stream: held too.
+            streams, event = self._ordered
+            streams.copy_out_after(event, gathered, self._flat)
         pieces = iter(torch.split(gathered.view(world, -1), sizes, dim=1))
         with torch.no_grad():
             for parameter in parameters:

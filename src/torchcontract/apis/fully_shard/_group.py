@@ -310,8 +310,6 @@ class ParamGroup:
         ``unshard()`` runs on the caller's stream.
         """
         record = self.record() or FullyShardState()
-        if self.extended:  # a shard defines FSDP2's all-gather hooks
-            return self._start_extended_gather(record, async_op=async_op)
         comm = record.all_gather_comm
         if self.post_forward and self.post_forward_group is not None:
             self.post_forward = False
@@ -321,6 +319,16 @@ class ParamGroup:
         streams = self.streams if on_streams else None
         if streams is not None and post_forward:
             streams.copy_in_waits_compute()
+        if self.extended:  # a shard defines FSDP2's all-gather hooks
+            return start_extended_gather(
+                self.parameters,
+                group,
+                async_op=async_op,
+                post_forward=post_forward,
+                comm=comm,
+                mp_policy=record.mp_policy,
+                streams=streams,
+            )
         if streams is not None or comm is not None:
             return start_all_gather(
                 self.parameters,
@@ -334,32 +342,6 @@ class ParamGroup:
         if post_forward:
             return start_all_gather(self.parameters, group, async_op=async_op, post_forward=True)
         return start_all_gather(self.parameters, group, async_op=async_op)
-
-    def _start_extended_gather(self, record: FullyShardState, *, async_op: bool) -> PendingGather:
-        """``_start_gather`` for a group where a shard defines the all-gather hooks.
-
-        On the caller's stream, also on an accelerator (its copies are the hooks').
-        """
-        group, post_forward = self.process_group, False
-        if self.post_forward and self.post_forward_group is not None:
-            self.post_forward = False
-            group, post_forward = self.post_forward_group, True
-        if not self.extended:
-            return start_all_gather(
-                self.parameters,
-                group,
-                async_op=async_op,
-                post_forward=post_forward,
-                comm=record.all_gather_comm,
-            )
-        return start_extended_gather(
-            self.parameters,
-            group,
-            async_op=async_op,
-            post_forward=post_forward,
-            comm=record.all_gather_comm,
-            mp_policy=record.mp_policy,
-        )
 
     def prefetch(self, *, requested: bool = False) -> None:
         """Start the all-gather now, on gloo's threads; ``unshard`` waits for it.

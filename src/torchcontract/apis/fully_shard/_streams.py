@@ -21,7 +21,7 @@ waits and events (``tests/test_fully_shard_streams.py``).
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Iterable
 from contextlib import AbstractContextManager, contextmanager
 from typing import Protocol
 
@@ -118,6 +118,15 @@ class CommStreams:
         FSDP2's ``_reshard_after_forward_event``, waited for by the all-gather streams.
         """
         self.backend.wait_stream(self.copy_in, self.backend.current_stream())
+
+    def hold_for_copy_in(self, tensors: Iterable[Tensor]) -> None:
+        """Inputs handed to the copy-in that were written on the compute stream.
+
+        What a post-forward reshard kept: the copy-in owns them once taken, so their
+        memory is reused only once the copy-in stream is past them.
+        """
+        for tensor in tensors:
+            self.backend.record_stream(tensor, self.copy_in)
 
     def copying_in(self) -> AbstractContextManager[object]:
         """The all-gather's copy-in: on its own stream."""
