@@ -36,3 +36,16 @@ def test_every_path_make_help_says_a_target_writes_exists() -> None:
     written = re.findall(r"writes ([\w./-]+/[\w./-]*)", done.stdout)
     assert "docs/generated/compat/" in written
     assert [path for path in written if not (ROOT / path).exists()] == []
+
+
+def test_make_test_gpu_runs_every_gpu_marked_test_file() -> None:
+    text = (ROOT / "Makefile").read_text()
+    declared = re.search(r"^GPU_TESTS :=((?:.*\\\n)*.*)$", text, flags=re.M)
+    assert declared is not None
+    listed = set(declared[1].replace("\\", " ").split())
+    marked = {
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "tests").rglob("test_*.py")
+        if re.search(r"^\s*@?pytest\.mark\.gpu\b", path.read_text(), flags=re.M)
+    }
+    assert listed == marked
