@@ -60,6 +60,13 @@ RATIO_TARGETS: Final[dict[tuple[str, int | None], float]] = {
     ("state() lookup", 512): 0.5,
     ("update()", 512): 2.0,
 }
+#: fully_shard's training step on a fake 2-rank group (bench_fully_shard_overhead.py): the
+#: CPU work a GPU waits on for a small model, in fp32 and bf16; target at most torch's.
+OVERHEAD_WORKLOAD: Final = "fully_shard step, CPU work on a fake group ({})"
+OVERHEAD_BLOCKS: Final = 8
+RATIO_TARGETS.update(
+    {(OVERHEAD_WORKLOAD.format(precision), OVERHEAD_BLOCKS): 1.0 for precision in ("fp32", "bf16")}
+)
 #: Targets of training steps, the in-rank ratio over alternating steps: replicate against
 #: DDP, fully_shard against PyTorch's fully_shard; with prefetch, on a model whose
 #: all-gathers weigh, at most torch's step.
@@ -449,7 +456,12 @@ def markdown(results: Sequence[Result], document: dict[str, Any]) -> str:
         "ends (`gc.freeze`). Lookups and updates are timed over every block of the "
         "model and shown per call. Model: per block two LayerNorms, attention with q/k/v/o "
         "Linear layers, an MLP with up/act/down/dropout (13 modules, 16 parameters). "
-        f'The rows "{SCALE_LABEL}": {SCALE_WORKLOAD}.',
+        f'The rows "{SCALE_LABEL}": {SCALE_WORKLOAD}. The rows "fully_shard step, CPU '
+        'work on a fake group": one training step (forward, backward, SGD) of the demo GPT '
+        f"with {OVERHEAD_BLOCKS} blocks, each block and the root sharded, under PyTorch's "
+        "fake process group of 2 ranks (collectives cost nothing) with tensors small enough "
+        "that a step's time is the CPU work a GPU would wait on; torch's steps alternate "
+        "with ours.",
         "",
         *time_table(results),
         "",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn import functional
 
@@ -16,15 +17,24 @@ from torchcontract.demo import GPT, GPTConfig
 TORCH = "torch"
 
 
-def sharded_gpt(config: GPTConfig, library: str, mesh: DeviceMesh) -> GPT:
-    """A GPT from seed 0, each block sharded, then the root, by ``library``'s fully_shard."""
+def sharded_gpt(
+    config: GPTConfig,
+    library: str,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> GPT:
+    """A GPT from seed 0, each block sharded, then the root, by ``library``'s fully_shard.
+
+    ``mp_policy``: FSDP2's mixed precision for both (none by default).
+    """
     torch.manual_seed(0)
     model = GPT(config)
+    policy = MixedPrecisionPolicy() if mp_policy is None else mp_policy
     for module in [*model.blocks, model]:
         if library == TORCH:
-            torch_fully_shard(module, mesh=mesh)
+            torch_fully_shard(module, mesh=mesh, mp_policy=policy)
         else:
-            fully_shard(module, mesh=mesh)
+            fully_shard(module, mesh=mesh, mp_policy=policy)
     return model
 
 
