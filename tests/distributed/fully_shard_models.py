@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn import functional
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.testing import free_port
@@ -185,5 +186,16 @@ def one_rank_cuda_mesh() -> Iterator[DeviceMesh]:
     )
     try:
         yield init_device_mesh("cuda", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+@contextmanager
+def fake_cuda_mesh_of_two() -> Iterator[DeviceMesh]:
+    """A CUDA mesh of a fake 2-rank group: this process is rank 0, collectives do nothing."""
+    torch.cuda.set_device(0)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cuda", (2,))
     finally:
         dist.destroy_process_group()

@@ -20,11 +20,10 @@ from typing import Any, cast
 
 import pytest
 import torch
-import torch.distributed as dist
+from fully_shard_models import fake_cuda_mesh_of_two
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchcontract.apis import fully_shard
 
@@ -76,13 +75,8 @@ class SpinningReduceScatter(_Spin):
 
 @pytest.fixture
 def fake_cuda_mesh() -> Iterator[DeviceMesh]:
-    """A CUDA mesh of a fake 2-rank group: this process is rank 0, collectives do nothing."""
-    torch.cuda.set_device(0)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield init_device_mesh("cuda", (2,))
-    finally:
-        dist.destroy_process_group()
+    with fake_cuda_mesh_of_two() as mesh:
+        yield mesh
 
 
 def _model(ours: bool, mesh: DeviceMesh, cycles: int) -> nn.Module:

@@ -18,13 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from fully_shard_models import GPT, batch, gpt, loss_on, one_rank_cuda_mesh
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from fully_shard_models import GPT, batch, fake_cuda_mesh_of_two, gpt, loss_on, one_rank_cuda_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.profiler import ProfilerActivity, profile
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchcontract.apis import fully_shard
 
@@ -38,13 +36,8 @@ BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float
 
 @pytest.fixture
 def fake_cuda_mesh() -> Iterator[DeviceMesh]:
-    """A CUDA mesh of a fake 2-rank group: this process is rank 0, collectives do nothing."""
-    torch.cuda.set_device(0)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield init_device_mesh("cuda", (2,))
-    finally:
-        dist.destroy_process_group()
+    with fake_cuda_mesh_of_two() as mesh:
+        yield mesh
 
 
 def _ours(model: GPT, mesh: DeviceMesh) -> GPT:
