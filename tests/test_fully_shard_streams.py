@@ -11,6 +11,7 @@ waiting for it. The real streams run under ``tests/distributed/test_cuda_streams
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import pytest
@@ -189,3 +190,126 @@ def test_a_gather_input_of_its_own_is_held_by_the_compute_stream_too(
     ]
     held = [log[index + 1 : index + 3].count("record_stream compute") for index in waits]
     assert held == [1, 1, 2, 2]  # forward: the output alone; backward: output and input
+
+
+def _between(log: list[str], first: str, last: str) -> list[str]:
+    start = log.index(first)
+    return log[start : log.index(last, start) + 1]
+
+
+def test_all_reduce_hook_on_its_stream_after_the_reduction(backend: FakeBackend) -> None:
+    """As FSDP2's: the hook's stream waits for the reduce-scatter and holds its output; the
+    store runs there after the hook, and the end of backward waits for that stream."""
+    with fake_mesh((2,)):
+        model = _sharded()
+        hook_stream: Any = "hook_stream"
+        model.second.set_all_reduce_hook(
+            lambda output: backend.log.append("hook"), stream=hook_stream
+        )
+        log = _step(model, backend)
+    assert _between(log, "hook_stream waits reduce_scatter", "leave reduce_scatter") == [
+        "hook_stream waits reduce_scatter",
+        "record_stream hook_stream",
+        "enter hook_stream",
+        "hook",
+        "leave hook_stream",
+        "record event5@hook_stream",
+        "leave reduce_scatter",
+    ]
+    assert "compute waits event5@hook_stream" in log[-2:]
+
+
+def test_all_reduce_hook_without_a_stream_runs_on_the_all_reduce_stream(
+    backend: FakeBackend,
+) -> None:
+    with fake_mesh((2,)):
+        model = _sharded()
+        model.second.set_all_reduce_hook(lambda output: backend.log.append("hook"))
+        log = _step(model, backend)
+    hooked = _between(log, "all_reduce waits reduce_scatter", "leave reduce_scatter")
+    assert hooked[:5] == [
+        "all_reduce waits reduce_scatter",
+        "record_stream all_reduce",
+        "enter all_reduce",
+        "hook",
+        "leave all_reduce",
+    ]
+    event = hooked[5].removeprefix("record ")
+    assert event.endswith("@all_reduce")
+    assert f"compute waits {event}" in log[-2:]
+
+
+def _gathers_and_waits(log: list[str]) -> tuple[list[str], list[str]]:
+    """The all-gather events recorded, and those the compute stream waited for."""
+    recorded = [
+        entry.removeprefix("record ")
+        for entry in log
+        if entry.startswith("record event") and entry.endswith("@all_gather")
+    ]
+    waited = [
+        entry.removeprefix("compute waits ")
+        for entry in log
+        if entry.startswith("compute waits event") and entry.endswith("@all_gather")
+    ]
+    return recorded, waited
+
+
+def test_a_dropped_prefetch_is_waited_for_before_its_buffers_go(backend: FakeBackend) -> None:
+    """``set_unshard_in_backward(False)``: the gather prefetched for backward goes unused and
+    is dropped; the compute stream still waits for it and holds its buffers (as FSDP2's
+    wait on the all-gather event), so no copy-in reuses them while the gather writes."""
+    with fake_mesh((2,)):
+        model = _sharded()
+        model.first.set_unshard_in_backward(False)
+        log = _step(model, backend)
+    recorded, waited = _gathers_and_waits(log)
+    assert len(recorded) == 4  # both in forward, and both in backward (the first one dropped)
+    assert waited == recorded
+    for event in recorded:
+        index = log.index(f"compute waits {event}")
+        assert log[index + 1] == "record_stream compute"
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        raise RuntimeError("boom")
+
+
+class FailingModel(Model):
+    """``Model`` whose backward raises between the two layers, after ``second``'s reduction."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        boom = cast(Callable[[Tensor], Tensor], _Boom.apply)
+        hidden = boom(self.first(x))
+        return cast(Tensor, self.second(hidden))
+
+
+def test_after_a_failed_backward_the_next_forward_waits_for_its_reductions(
+    backend: FakeBackend,
+) -> None:
+    """As FSDP2's reset: a reduce-scatter of the failed backward may still write ``.grad``."""
+    with fake_mesh((2,)):
+        torch.manual_seed(0)
+        model: Any = FailingModel()
+        for module in (model.first, model.second, model):
+            fully_shard(module)
+        with pytest.raises(RuntimeError, match="boom"):
+            _step(model, backend)
+        reduced = [
+            entry.removeprefix("record ")
+            for entry in backend.log
+            if entry.startswith("record event") and entry.endswith("@reduce_scatter")
+        ]
+        assert len(reduced) == 1  # second's, before the failure
+        backend.log.clear()
+        model(torch.ones(2, 4))
+    assert backend.log[:3] == [
+        f"compute waits {reduced[0]}",
+        "copy_in waits compute",
+        "all_gather waits compute",
+    ]

@@ -44,13 +44,25 @@ class PendingGather:
 
     def finish(self) -> None:
         """Wait for the collective(s) and register the unsharded parameters."""
-        self.discard()
-        for part in self._parts:
+        self.wait()
+        parts, self._parts = self._parts, []
+        for part in parts:
             part.finish()
-        self._parts = []
 
     def discard(self) -> None:
-        """Wait for the collective(s) without using their result (no rank may leave one behind)."""
+        """Wait for the collective(s) and drop their result (no rank may leave one behind).
+
+        On an accelerator, as FSDP2's before it drops an unused gather: the caller's
+        stream waits for the gather and holds its buffers, which the caching allocator
+        then reuses only once the gather is done writing them.
+        """
+        self.wait()
+        parts, self._parts = self._parts, []
+        for part in parts:
+            part.release()
+
+    def wait(self) -> None:
+        """Wait for the collectives that run on gloo's threads (none on an accelerator)."""
         works, self._works = self._works, []
         for work in works:
             work.wait()
@@ -85,14 +97,21 @@ class _Part:
         # On an accelerator: the all-gather stream's event that the copy-out waits for.
         self.event = None if streams is None or gathered is None else streams.gathered()
 
-    def finish(self) -> None:
+    def release(self) -> None:
+        """On an accelerator: the caller's stream waits for the gather and holds its buffers.
+
+        The batched input is a view of ``gathered``; any other is a tensor of its own,
+        which the caching allocator must not hand to the next copy-in before the
+        gather that reads it is done: held by the stream that waits for the gather.
+        """
         gathered = self.gathered
         if gathered is not None and self.streams is not None and self.event is not None:
-            # The batched input is a view of ``gathered``; any other is a tensor of its own,
-            # which the caching allocator must not hand to the next copy-in before the
-            # gather that reads it is done: held by the stream that waits for the gather.
             held = () if self.batched or self.flat is None else (self.flat,)
             self.streams.copy_out_after(self.event, gathered, *held)
+
+    def finish(self) -> None:
+        self.release()
+        gathered = self.gathered
         if gathered is None:
             pass
         elif self.batched:
@@ -219,6 +238,7 @@ def reduce_scatter(
     replicate_group: dist.ProcessGroup | None = None,
     *,
     hook: Callable[[Tensor], None] | None = None,
+    hook_stream: object | None = None,
     all_reduce: bool = True,
     deferred: dict[int, Tensor] | None = None,
     divide_factor: float | None = None,
@@ -255,14 +275,17 @@ def reduce_scatter(
     where FSDP2 sends ``PREMUL_SUM``).
 
     With ``streams`` (an accelerator) each reduction runs on the reduce-scatter
-    stream (HSDP's all-reduce on its own), once it waits for the caller's; returned:
-    the events the end of backward waits for (none on the CPU).
+    stream (HSDP's all-reduce on its own), once it waits for the caller's; ``hook``
+    and the store after it run on ``hook_stream`` (the all-reduce stream if None),
+    once it waits for the reduction, as FSDP2's; returned: the events the end of
+    backward waits for (none on the CPU, where ``hook_stream`` plays no part).
     """
     dtypes = [reduce_dtype or grad.dtype for grad in grads]
     reduction = _Reduction(
         group,
         replicate_group,
         hook,
+        hook_stream,
         all_reduce,
         {} if deferred is None else deferred,
         divide_factor,
@@ -290,6 +313,7 @@ class _Reduction:
     group: dist.ProcessGroup
     replicate_group: dist.ProcessGroup | None
     hook: Callable[[Tensor], None] | None
+    hook_stream: object | None
     all_reduce: bool
     deferred: dict[int, Tensor]
     divide_factor: float | None
@@ -322,24 +346,13 @@ def _reduce_scatter_one_dtype(
             dim=1,
         ).reshape(-1)
     numel = flat.numel() // world
-    with ExitStack() as stack:
-        last = None
-        if streams is not None:
-            stack.enter_context(streams.reducing(flat))
-            last = streams.reduce_scatter
-        _reduce(
-            parameters,
-            flat,
-            numel,
-            dtype,
-            reduction,
-            all_reducing=None if streams is None else streams.all_reducing,
-        )
-        if streams is not None and last is not None:
-            if reduction.all_reduce and reduction.replicas > 1:
-                last = streams.all_reduce
-            return streams.reduced(last)
-    return None
+    if streams is None:
+        _reduce(parameters, flat, numel, dtype, reduction, streams=None)
+        return None
+    with streams.reducing(flat):
+        last = _reduce(parameters, flat, numel, dtype, reduction, streams=streams)
+        assert last is not None  # with streams, it ends on one of them
+        return streams.reduced(last)
 
 
 def _reduce(
@@ -349,9 +362,14 @@ def _reduce(
     dtype: torch.dtype,
     reduction: _Reduction,
     *,
-    all_reducing: Callable[[Tensor], AbstractContextManager[None]] | None,
-) -> None:
-    """Reduce-scatter ``flat``, all-reduce over replicas, store the shards' gradients."""
+    streams: CommStreams | None,
+) -> torch.Stream | None:
+    """Reduce-scatter ``flat``, all-reduce over replicas, store the shards' gradients.
+
+    On an accelerator (``streams``), called on the reduce-scatter stream; returned:
+    the stream its last work ran on, whose event the end of backward waits for
+    (None on the CPU).
+    """
     group, divide_factor, force_sum = reduction.group, reduction.divide_factor, reduction.force_sum
     world, replicas, comm = group.size(), reduction.replicas, reduction.comm
     if comm is not None:
@@ -370,20 +388,27 @@ def _reduce(
     else:  # FSDP2's PREMUL_SUM(1 / factor)
         reduced = torch.empty(numel, dtype=dtype, device=flat.device)
         _torch.reduce_scatter_sum(reduced, flat.mul_(1 / divide_factor), group)
+    last = None if streams is None else streams.reduce_scatter
     replicate_group, deferred = reduction.replicate_group, reduction.deferred
     if replicate_group is not None:
         if not reduction.all_reduce:
             _defer(parameters, reduced, deferred)
-            return
+            return last
         if deferred:  # only after a backward with the all-reduce off
             _take_deferred(parameters, reduced, deferred)
-    over = replicate_group if replicas > 1 else None  # the replicas all-reduced over
-    with on_stream(None if over is None or all_reducing is None else all_reducing(reduced)):
-        if over is not None:
-            _torch.all_reduce(reduced, over).wait()
+    with ExitStack() as stack:
+        if replicas > 1:  # the all-reduce over the replicas
+            if streams is not None:
+                stack.enter_context(streams.all_reducing(reduced))
+                last = streams.all_reduce
+            assert replicate_group is not None
+            _torch.all_reduce(reduced, replicate_group).wait()
             if divide_factor is None and not force_sum:  # the all-reduce averages
                 reduced.div_(replicas)
+        if reduction.hook is not None and streams is not None:
+            last = stack.enter_context(streams.hooking(reduced, reduction.hook_stream))
         _store(parameters, reduced, reduction, world)
+    return last
 
 
 def _store(

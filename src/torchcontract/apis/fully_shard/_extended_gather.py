@@ -161,15 +161,26 @@ class ExtendedGather(PendingGather):
         self._extended = (parameters, gathered, sizes, world)
         self._ordered = ordered
 
+    def discard(self) -> None:
+        """Wait, and drop the result; on an accelerator, as ``PendingGather.discard``."""
+        self.wait()
+        self._release()
+
+    def _release(self) -> None:
+        """On an accelerator: the caller's stream waits for the gather and holds both buffers.
+
+        The input is a tensor of its own, read by the all-gather stream: held too.
+        """
+        ordered, self._ordered = self._ordered, None
+        if ordered is not None:
+            streams, event = ordered
+            streams.copy_out_after(event, self._extended[1], self._flat)
+
     def finish(self) -> None:
         """Wait, copy each output into place, and make or refill the unsharded parameters."""
-        self.discard()
-        self._parts = []
+        self.wait()
+        self._release()
         parameters, gathered, sizes, world = self._extended
-        if self._ordered is not None:
-            # The input is a tensor of its own, read by the all-gather stream: held too.
-            streams, event = self._ordered
-            streams.copy_out_after(event, gathered, self._flat)
         pieces = iter(torch.split(gathered.view(world, -1), sizes, dim=1))
         with torch.no_grad():
             for parameter in parameters:

@@ -97,19 +97,26 @@ class Root:
         """At the root's forward: forget a backward that failed before its end callback ran.
 
         Also drops unused prefetches and starts recording this iteration's order; on
-        an accelerator, the copy-in stream waits for the optimizer step.
+        an accelerator, the compute stream first waits for the failed backward's
+        reductions (they may still be writing ``.grad``, as FSDP2's reset waits for
+        them), and the copy-in stream waits for the optimizer step.
         """
         streams = self.streams
+        if self.callback_queued:
+            self.callback_queued = False
+            if streams is not None:
+                streams.finish_backward(
+                    [event for group in self.groups for event in group.reduce_events]
+                )
+            for group in self.groups:
+                group.reduce_events.clear()
+                group.phase = Phase.IDLE
+                group.reduced = False
         if streams is not None:
             for group in self.groups:  # set_post_optim_event on any module under the root
                 if group.post_optim_event is not None:
                     streams.post_optim_event, group.post_optim_event = group.post_optim_event, None
             streams.start_iteration()
-        if self.callback_queued:
-            self.callback_queued = False
-            for group in self.groups:
-                group.phase = Phase.IDLE
-                group.reduced = False
         for group in self.groups:
             if group.pending is None or not group.pending.requested:  # keep unshard(async_op)
                 group.drop_prefetch()
@@ -487,7 +494,8 @@ class ParamGroup:
                 self.process_group,
                 self.reduce_dtype,
                 self.replicate_group,
-                hook=_on_stream(record.all_reduce_hook, record.all_reduce_hook_stream),
+                hook=record.all_reduce_hook,
+                hook_stream=record.all_reduce_hook_stream,
                 all_reduce=record.requires_all_reduce,
                 deferred=self.deferred,
                 divide_factor=record.gradient_divide_factor,
@@ -527,22 +535,6 @@ def _in_fsdp2_order(
         return (position.get(id(module), len(position)), list(module._parameters).index(name))
 
     return sorted(parameters, key=key)
-
-
-def _on_stream(
-    hook: Callable[[Tensor], None] | None, stream: object | None
-) -> Callable[[Tensor], None] | None:
-    """``hook``, run in ``stream``'s device module's ``stream`` context if one was given."""
-    if hook is None or stream is None:
-        return hook
-
-    def on_stream(output: Tensor) -> None:
-        device = getattr(stream, "device", None)
-        kind = torch.device(device).type if device is not None else "cpu"
-        with torch.get_device_module(kind).stream(stream):
-            hook(output)
-
-    return on_stream
 
 
 def _count_backward(record: FullyShardState) -> FullyShardState:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Iterable
 from contextlib import AbstractContextManager, contextmanager
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import Tensor
@@ -175,6 +175,21 @@ class CommStreams:
         self.backend.record_stream(reduced, self.all_reduce)
         with self.backend.use(self.all_reduce):
             yield
+
+    @contextmanager
+    def hooking(self, reduced: Tensor, stream: object | None) -> Generator[torch.Stream]:
+        """The all-reduce hook on ``reduced``, and the store after it, as FSDP2's.
+
+        On ``stream`` (``set_all_reduce_hook``'s), or the all-reduce stream if None,
+        once it waits for the reduction; ``reduced`` is recorded there, so its memory
+        is reused only once the hook and the store are done with it. Yields that
+        stream: the end of backward waits for its event.
+        """
+        hook_stream = self.all_reduce if stream is None else cast(torch.Stream, stream)
+        self.backend.wait_stream(hook_stream, self.backend.current_stream())
+        self.backend.record_stream(reduced, hook_stream)
+        with self.backend.use(hook_stream):
+            yield hook_stream
 
     def reduced(self, last: torch.Stream) -> torch.Event:
         """The event the end of backward waits for: after the last stream of a reduction."""
