@@ -232,6 +232,17 @@ DIFFERENCES: Final = (
     ),
     Difference(
         "fully_shard",
+        "A divide factor on a shard group of one, reducing in a dtype other than float32 and "
+        "bfloat16 (float16)",
+        "the sum divided by the factor once, as on every mesh",
+        "divides by the factor where it copies for the reduce-scatter, and again around the "
+        "sum: gradients the factor times smaller",
+        "One rule for every mesh.",
+        _DISTRIBUTED + "test_fully_shard_fp16_reduction_gloo.py"
+        "::test_a_factor_on_a_shard_group_of_one_divides_once",
+    ),
+    Difference(
+        "fully_shard",
         "`copy.deepcopy` of a sharded module",
         "refused",
         "refused with an `AssertionError`",

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from .. import _torch
 from . import _comms, _copies
 from ._comms import AllGatherComm, ReduceScatterComm
+from ._division import Division, division
 from ._sharding import ManagedParameter
 from ._streams import CommStreams
 
@@ -267,7 +268,9 @@ def reduce_scatter(
     rank's gradient times its inverse, summed; the all-reduce then sums. With
     ``force_sum`` (``set_force_sum_reduction_for_comms(True)``) the collectives only
     sum: ``hook`` sees the sum, divided by the factor (or the mesh's size) after it,
-    as FSDP2 divides after its sums.
+    as FSDP2 divides after its sums. In a reduce dtype other than float32 and
+    bfloat16 the collectives sum too, between a division before and one after
+    (``_division``), as FSDP2's, so a float16 sum does not overflow.
 
     ``comm`` (``set_custom_reduce_scatter``) allocates the input and output buffers
     and runs each reduce-scatter, with the op FSDP2 would pass (``AVG`` to average
@@ -370,16 +373,18 @@ def _reduce(
     the stream its last work ran on, whose event the end of backward waits for
     (None on the CPU).
     """
-    group, divide_factor, force_sum = reduction.group, reduction.divide_factor, reduction.force_sum
+    group, divide_factor = reduction.group, reduction.divide_factor
     world, replicas, comm = group.size(), reduction.replicas, reduction.comm
+    divided = division(dtype, world * replicas, divide_factor, force_sum=reduction.force_sum)
+    if divided.before is not None:
+        flat.div_(divided.before)
     if comm is not None:
-        reduced = _custom_reduce_scatter(comm, flat, group, divide_factor, force_sum)
+        reduced = _custom_reduce_scatter(comm, flat, group, divide_factor, divided)
     elif world == 1:  # the flat input is this rank's alone: reduced in place
         reduced = flat
-        unforced = divide_factor if not force_sum else None
-        if unforced is not None:
-            reduced.div_(unforced)
-    elif force_sum:
+        if divide_factor is not None and divided.in_collectives:
+            reduced.div_(divide_factor)
+    elif not divided.in_collectives:
         reduced = torch.empty(numel, dtype=dtype, device=flat.device)
         _torch.reduce_scatter_sum(reduced, flat, group)
     elif divide_factor is None or divide_factor == world:
@@ -403,29 +408,28 @@ def _reduce(
                 last = streams.all_reduce
             assert replicate_group is not None
             _torch.all_reduce(reduced, replicate_group).wait()
-            if divide_factor is None and not force_sum:  # the all-reduce averages
+            if divide_factor is None and divided.in_collectives:  # the all-reduce averages
                 reduced.div_(replicas)
         if reduction.hook is not None and streams is not None:
             last = stack.enter_context(streams.hooking(reduced, reduction.hook_stream))
-        _store(parameters, reduced, reduction, world)
+        _store(parameters, reduced, reduction.hook, divided.after)
     return last
 
 
 def _store(
-    parameters: Sequence[ManagedParameter], reduced: Tensor, reduction: _Reduction, world: int
+    parameters: Sequence[ManagedParameter],
+    reduced: Tensor,
+    hook: Callable[[Tensor], None] | None,
+    after: float | None,
 ) -> None:
-    """The reduced shards: to the all-reduce hook, divided after a forced sum, to ``.grad``."""
-    force_sum, divide_factor, replicas = (
-        reduction.force_sum,
-        reduction.divide_factor,
-        reduction.replicas,
-    )
-    if reduction.hook is not None:
-        reduction.hook(reduced)
-    if force_sum:  # FSDP2 divides after its sums, by the factor or the mesh's size
-        after = float(world * replicas) if divide_factor is None else divide_factor
-        if after != 1:
-            reduced.div_(after)
+    """The reduced shards: to the all-reduce hook, divided by ``after``, to ``.grad``.
+
+    The hook sees what FSDP2's sees: the average, or the sum divided only before.
+    """
+    if hook is not None:
+        hook(reduced)
+    if after is not None:
+        reduced.div_(after)
     _copies.shard_gradients(parameters, reduced)
 
 
@@ -444,23 +448,23 @@ def _custom_reduce_scatter(
     flat: Tensor,
     group: dist.ProcessGroup,
     divide_factor: float | None,
-    force_sum: bool,
+    divided: Division,
 ) -> Tensor:
     """Reduce-scatter ``flat`` through ``comm``, as FSDP2's ``foreach_reduce`` calls it.
 
     Its buffers come from ``comm.allocate``; a shard group of one only copies (and
-    divides by the factor), as FSDP2's.
+    divides by the factor where the collectives would), as FSDP2's.
     """
     world = group.size()
     staged = _comms.allocate(comm, flat.numel(), flat.dtype, flat.device)
     staged.copy_(flat)
     reduced = _comms.allocate(comm, flat.numel() // world, flat.dtype, flat.device)
     if world == 1:
-        unforced = divide_factor if not force_sum else None
+        unforced = divide_factor if divided.in_collectives else None
         reduced.copy_(staged if unforced is None else staged.div(unforced))
         return reduced
     op = dist.ReduceOp.SUM
-    if not force_sum:
+    if divided.in_collectives:
         if divide_factor is None or divide_factor == world:
             op = dist.ReduceOp.AVG
         else:  # FSDP2's PREMUL_SUM(1 / factor), which gloo lacks: the same product, summed
