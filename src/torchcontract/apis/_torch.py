@@ -190,6 +190,17 @@ def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
     cast(Callable[[], object], optimizer.step)()
 
 
+def object_collective_device(group: dist.ProcessGroup) -> torch.device:
+    """The device ``group``'s collectives of Python objects run on, as ``all_gather_object``'s.
+
+    The CPU for gloo; the current GPU for NCCL, which takes no CPU tensor.
+    """
+    device_type = cast(
+        Callable[[dist.ProcessGroup], str], vars(dist.distributed_c10d)["_get_object_coll_device"]
+    )(group)
+    return torch.device(device_type)
+
+
 def to_bools(tensor: Tensor) -> list[bool]:
     """The elements of a 1-D boolean tensor, in one device-to-host copy."""
     return cast(Callable[[], list[bool]], tensor.tolist)()

@@ -442,7 +442,7 @@ def replicate(
     placed = devices(module, [p for _, p in module.named_parameters()], device_ids, output_device)
     warn_check_reduction(module, check_reduction)
     if group.size() > 1 and init_sync:
-        check_same_model(module, group)
+        check_same_model(module, group, named[0][1].device)
         synced = [*module.parameters(), *(module.buffers() if buffers.at_apply else ())]
         broadcast_from_first_rank(synced, group, cap_bytes)
     reducer = Reducer(
@@ -462,9 +462,13 @@ def replicate(
     for index, (_, parameter) in enumerate(named):
         _torch.register_post_accumulate_grad_hook(parameter, ParameterHook(reducer, index))
     hooks = _ForwardHooks(reducer)
-    module.register_forward_pre_hook(hooks.before)
+    # Before the module's own pre-hooks, as DDP's forward runs before its module's: first
+    # what DDP's _pre_forward does, then the inputs moved (each prepended, so in reverse).
     if placed.input_device is not None:
-        module.register_forward_pre_hook(MoveInputs(reducer, placed.input_device), with_kwargs=True)
+        module.register_forward_pre_hook(
+            MoveInputs(reducer, placed.input_device), with_kwargs=True, prepend=True
+        )
+    module.register_forward_pre_hook(hooks.before, prepend=True)
     module.register_forward_hook(hooks.after)
     on_rollback(_Undo(module, reducer))
     module.__class__ = replicate_class(type(module))

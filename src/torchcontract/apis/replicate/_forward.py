@@ -76,7 +76,9 @@ def broadcast_buffers(reducer: Reducer, module: nn.Module, source: int) -> None:
 def common_rank(reducer: Reducer, candidate: bool) -> int:
     """The largest group rank of those for which ``candidate`` holds (a collective)."""
     group = reducer.group
-    rank = torch.tensor([group.rank() if candidate else -1], dtype=torch.int64)
+    rank = torch.tensor(
+        [group.rank() if candidate else -1], dtype=torch.int64, device=reducer.device
+    )
     _torch.all_reduce_max(rank, group)
     found = int(rank.item())
     if found < 0:
@@ -105,9 +107,8 @@ def after_forward(reducer: Reducer, module: nn.Module, output: object) -> None:
     if reducer.join_config.enable:
         # Tell the joined ranks whether buffers are broadcast before the next
         # forward, and whether a synchronizing backward follows (see _join).
-        _torch.all_reduce(
-            torch.tensor([float(synchronizing), float(bool(tensors))]), reducer.group
-        ).wait()
+        flags = [float(synchronizing), float(bool(tensors))]
+        _torch.all_reduce(torch.tensor(flags, device=reducer.device), reducer.group).wait()
     if tensors:
         armed = Armed(reducer)
         for tensor in tensors:

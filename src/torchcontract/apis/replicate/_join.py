@@ -45,7 +45,7 @@ class ReplicateJoinHook(JoinHook):
             return
         if will_broadcast_buffers(reducer, record):
             broadcast_buffers(reducer, module, common_rank(reducer, False))
-        flags = torch.zeros(2)
+        flags = torch.zeros(2, device=reducer.device)
         _torch.all_reduce(flags, reducer.group).wait()
         reducer.sync_buffers_next_forward = bool(flags[0] > 0)
         if not bool(flags[1] > 0):

@@ -44,15 +44,18 @@ def limits(cap_list: tuple[int, ...], default_cap: bool, cap_bytes: int) -> tupl
     return (cap_bytes,)
 
 
-def rebuild_order(arrival: Sequence[int], count: int, group: dist.ProcessGroup) -> list[int]:
+def rebuild_order(
+    arrival: Sequence[int], count: int, group: dist.ProcessGroup, device: torch.device
+) -> list[int]:
     """The first rank's arrival order, on every rank (a collective where the group has more).
 
     Parameters that did not arrive (a static graph's unused ones) come last, in the
-    order they are defined, as DDP's reducer appends them.
+    order they are defined, as DDP's reducer appends them. The broadcast runs on
+    ``device``, the parameters' (DDP's ``sync_bucket_indices`` copies to it too).
     """
     arrived = set(arrival)
     order = [*arrival] + [i for i in range(count) if i not in arrived]
-    shared = torch.tensor(order, dtype=torch.int64)  # the first rank's, on every rank
+    shared = torch.tensor(order, dtype=torch.int64, device=device)  # the first rank's, everywhere
     if group.size() > 1:
         _torch.broadcast(shared, 0, group)
     return _torch.to_ints(shared)

@@ -71,7 +71,7 @@ from ._buckets import FIRST_BUCKET_BYTES, assign_buckets_as_ddp
 from ._comm_hook import Bucket, CommHook, hook_result
 from ._rebuild import first_limits, limits, rebuild_order
 from ._state import ReplicateState
-from ._unused import unused_error, used_from_flags, used_on_some_rank
+from ._unused import unused_error, used_flags, used_from_flags, used_on_some_rank
 
 __all__ = ["Reducer", "reducer_of"]
 
@@ -116,6 +116,9 @@ class Reducer:
         self._module = weakref.ref(module)
         self._application = application
         self._group = group
+        #: Where its own tensors for collectives live: the first parameter's device, as
+        #: DDP's ``device`` (an NCCL group takes tensors on the GPU only).
+        self.device = named[0][1].device if named else torch.device("cpu")
         self._names = tuple(name for name, _ in named)
         self._parameters = tuple(weakref.ref(parameter) for _, parameter in named)
         self._cap_bytes = cap_bytes
@@ -246,6 +249,7 @@ class Reducer:
         self._arrived = [False] * len(self._names)  # in the synchronized backward running
         self._next = 0  # the next bucket to launch: buckets launch strictly in order
         self._launched = []
+        self._active_count: int | None = None  # Join: the ranks not joined, once read
 
     # ------------------------------------------------------------ backward
 
@@ -300,9 +304,7 @@ class Reducer:
         # than the second pass); a large one is scaled while copied in, in one pass,
         # parameter by parameter.
         scale = 1.0 / self._divisor()
-        flags = torch.tensor(
-            [1.0 if self._used[index] else 0.0 for index in bucket], dtype=flat.dtype
-        )
+        flags = used_flags(self._used, bucket, flat)
         dense = [grad for grad in grads if grad is not None and not grad.is_sparse]
         small = flat.numel() * flat.element_size() <= FIRST_BUCKET_BYTES
         if small and len(dense) == len(grads):
@@ -314,12 +316,17 @@ class Reducer:
         self._launched.append((position, _torch.all_reduce(flat, self._group)))
 
     def _divisor(self) -> int:
-        """What the sums are divided by: the group's size, or (Join) the ranks not joined."""
+        """What the sums are divided by: the group's size, or (Join) the ranks not joined.
+
+        Read from the device once per backward, as DDP's ``div_factor_``.
+        """
         work = self.active_ranks
         if work is None or self.divide_by_initial_world_size:
             return self._group.size()
-        work.wait()
-        return int(_torch.work_tensor(work).item())
+        if self._active_count is None:
+            work.wait()
+            self._active_count = int(_torch.work_tensor(work).item())
+        return self._active_count
 
     def _run_comm_hook(
         self, position: int, flat: Tensor, gradients: Sequence[Tensor]
@@ -438,7 +445,7 @@ class Reducer:
             return [True] * len(self._names)
         if self._flags_in_buckets:
             return used_from_flags(self._buckets, results, len(self._names))
-        return used_on_some_rank(self._used, self._group)
+        return used_on_some_rank(self._used, self._group, self.device)
 
     def _write_back(self, position: int, reduced: Tensor, used: Sequence[bool]) -> None:
         bucket = self._buckets[position]
@@ -526,6 +533,6 @@ class Reducer:
 
     def _rebuild(self, arrival: list[int]) -> None:
         """DDP's rebuild: bucket anew in the first rank's arrival order, with DDP's caps."""
-        order = rebuild_order(arrival, len(self._names), self._group)
+        order = rebuild_order(arrival, len(self._names), self._group, self.device)
         parameters = [self._parameter(index) for index in range(len(self._names))]
         self._set_buckets(assign_buckets_as_ddp(parameters, order, self._limits()))

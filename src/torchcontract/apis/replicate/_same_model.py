@@ -54,22 +54,24 @@ def _summarize(module: nn.Module) -> list[_Entry]:
     return entries
 
 
-def check_same_model(module: nn.Module, group: dist.ProcessGroup) -> None:
+def check_same_model(module: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:
     """Raise ``ModelMismatchError`` on every rank of ``group`` unless all hold the same model.
 
     One all-gather of 32 bytes per rank when the models agree; a second, of the
-    summaries, when they do not. A collective: every rank of ``group`` must call it.
+    summaries, when they do not. A collective: every rank of ``group`` must call it,
+    its tensors on ``device`` (the parameters', as DDP's check: NCCL takes no CPU tensor).
     """
     entries = _summarize(module)
     digest = hashlib.sha256(repr(entries).encode()).digest()
-    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
-    every = torch.empty(_DIGEST_BYTES * group.size(), dtype=torch.uint8)
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
+    every = torch.empty(_DIGEST_BYTES * group.size(), dtype=torch.uint8, device=device)
     _torch.all_gather_into(every, mine, group)
     if bool(torch.all(every.view(group.size(), _DIGEST_BYTES) == mine)):
         return
     # Each rank sent the list _summarize() made.
     summaries = [
-        cast("list[_Entry]", summary) for summary in _objects.all_gather_objects(entries, group)
+        cast("list[_Entry]", summary)
+        for summary in _objects.all_gather_objects(entries, group, device=device)
     ]
     raise ModelMismatchError(_describe_difference(module, group, summaries))
 

@@ -65,17 +65,37 @@ def used_from_flags(
 ) -> list[bool]:
     """By parameter, the flags that travelled at the end of each reduced bucket."""
     used = [False] * count
-    for position, flat in results:
-        bucket = buckets[position]
-        flags = _torch.to_bools(flat[flat.numel() - len(bucket) :] > 0)
-        for index, flag in zip(bucket, flags, strict=True):
-            used[index] = flag
+    if not results:
+        return used
+    # Every bucket's flags in one read from the device: one wait, not one per bucket.
+    tails = [flat[flat.numel() - len(buckets[position]) :] for position, flat in results]
+    flags = iter(_torch.to_bools(torch.cat(tails) > 0))
+    for position, _ in results:
+        for index in buckets[position]:
+            used[index] = next(flags)
     return used
 
 
-def used_on_some_rank(used: Sequence[bool], group: dist.ProcessGroup) -> list[bool]:
-    """By parameter, whether some rank of ``group`` used it: one all-reduce, as DDP's map."""
-    local = torch.tensor([1 if was else 0 for was in used], dtype=torch.int32)
+def used_flags(used: Sequence[bool], bucket: Sequence[int], like: Tensor) -> Tensor:
+    """1.0 for each parameter of ``bucket`` in use, else 0.0: ``like``'s dtype and device.
+
+    On an accelerator the flags go through pinned memory, without waiting: a copy from
+    ordinary host memory would wait for every kernel queued on the device first.
+    """
+    values = torch.tensor([1.0 if used[index] else 0.0 for index in bucket], dtype=like.dtype)
+    if like.device.type == "cpu":
+        return values
+    return values.pin_memory().to(like.device, non_blocking=True)
+
+
+def used_on_some_rank(
+    used: Sequence[bool], group: dist.ProcessGroup, device: torch.device
+) -> list[bool]:
+    """By parameter, whether some rank of ``group`` used it: one all-reduce, as DDP's map.
+
+    On ``device``, the parameters' (DDP all-reduces its map on the device too).
+    """
+    local = torch.tensor([1 if was else 0 for was in used], dtype=torch.int32, device=device)
     if group.size() > 1:
         _torch.all_reduce(local, group).wait()
     return _torch.to_bools(local > 0)
