@@ -109,6 +109,7 @@ def device_module_initialized(device_type: str) -> bool:
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+_T = TypeVar("_T")
 
 _compiler_disable: Final = cast(Callable[..., Callable[..., Any]], torch.compiler.disable)
 
@@ -188,6 +189,19 @@ def broadcast(tensor: Tensor, source: int, group: dist.ProcessGroup) -> None:
 def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
     """Take one step of ``optimizer``."""
     cast(Callable[[], object], optimizer.step)()
+
+
+def map_tensors(function: Callable[[Tensor], Tensor], tree: _T) -> _T:
+    """``tree`` with ``function`` applied to each of its tensors, as FSDP2 walks its casts.
+
+    torch's ``_apply_to_tensors``: into dataclasses, dicts, named tuples, lists, tuples
+    and sets, subclasses included (``pytree`` sees an unregistered one as one leaf).
+    """
+    apply = cast(Callable[[Callable[[Tensor], Tensor], object], object], _apply_to_tensors)
+    return cast(_T, apply(function, tree))
+
+
+_apply_to_tensors: Final = vars(torch.distributed.utils)["_apply_to_tensors"]
 
 
 def object_collective_device(group: dist.ProcessGroup) -> torch.device:

@@ -160,15 +160,18 @@ _Tree = TypeVar("_Tree")
 
 
 def _cast(tree: _Tree, dtype: torch.dtype | None) -> _Tree:
-    """Cast the floating tensors in ``tree`` to ``dtype`` (None: unchanged), as FSDP2 does."""
+    """Cast the floating tensors in ``tree`` to ``dtype`` (None: unchanged), as FSDP2 does.
+
+    Through the containers FSDP2's casts reach (``_torch.map_tensors``): dataclasses
+    and list, tuple or dict subclasses too, where ``pytree`` stops.
+    """
     if dtype is None:
         return tree
-    leaves, spec = pytree.tree_flatten(tree)
-    cast_leaves = [
-        leaf.to(dtype) if isinstance(leaf, Tensor) and leaf.is_floating_point() else leaf
-        for leaf in leaves
-    ]
-    return cast(_Tree, pytree.tree_unflatten(cast_leaves, spec))
+
+    def cast_floating(tensor: Tensor) -> Tensor:
+        return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+    return _torch.map_tensors(cast_floating, tree)
 
 
 def grad_tensors(tree: object) -> list[Tensor]:
