@@ -77,7 +77,7 @@ TORCHCONTRACT_PYTHON ?= $(if $(wildcard $(VENV)),,python3)
 GPU_PYTHON := $(if $(TORCHCONTRACT_PYTHON),PYTHONPATH=src $(TORCHCONTRACT_PYTHON),$(BIN)/python)
 GPU_NEEDS := $(if $(TORCHCONTRACT_PYTHON),,$(BIN)/.installed)
 GPU_TESTS := tests/distributed/test_cuda_parity.py tests/distributed/test_cuda_streams.py \
-	tests/distributed/test_cuda_overlap.py \
+	tests/distributed/test_cuda_overlap.py tests/distributed/test_replicate_mirror_world.py \
 	tests/distributed/test_gpu_guide_torchrun.py
 test-gpu: $(GPU_NEEDS)  ## the gpu-marked tests on one CUDA device (skipped without CUDA)
 	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m gpu -rs $(GPU_TESTS)
