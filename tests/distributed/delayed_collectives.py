@@ -20,17 +20,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Final, cast
+from typing import Any, cast
 
 import attrs
 import torch
 import torch.distributed as dist
+from python_group import PythonGroup, register
 from torch import Tensor
 from torch._C._distributed_c10d import Store
 
 __all__ = ["DelayedGroup", "Wait", "busy", "delayed_group"]
-
-BACKEND: Final = "delayed_gloo"
 
 
 @attrs.frozen
@@ -73,23 +72,16 @@ def _delayed(kind: str, method: str) -> Callable[..., dist.Work]:
     return collective
 
 
-class DelayedGroup(dist.ProcessGroup):
+class DelayedGroup(PythonGroup):
     """Gloo's collectives, each ready ``delay`` seconds after it started (0 until set)."""
 
+    backend = "delayed_gloo"
+
     def __init__(self, gloo: dist.ProcessGroup, rank: int, size: int) -> None:
-        # The (rank, size) constructor, the one a Python subclass may call: torch's
-        # stubs list only the (store, rank, size) one.
-        cast(Any, super()).__init__(rank, size)
+        super().__init__(rank, size)
         self.gloo = gloo
         self.delay = 0.0
         self.waits: list[Wait] = []
-
-    def getBackendName(self) -> str:
-        return BACKEND
-
-    @property
-    def group_name(self) -> Any:  # torch's GroupName: the name c10d registered this group under
-        return dist.distributed_c10d._world.pg_names[self]
 
     # The method names of torch 2.13 and, for the same collectives, of earlier releases.
     all_gather_single = _allgather_base = _delayed("all_gather", "_allgather_base")
@@ -112,9 +104,8 @@ def delayed_group(delay: float) -> DelayedGroup:
 
     Collective over the default group (every rank calls it, as ``new_group``).
     """
-    if BACKEND.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
-    group = dist.new_group(backend=BACKEND)
+    register(DelayedGroup, _create, ["cpu"])
+    group = dist.new_group(backend=DelayedGroup.backend)
     if not isinstance(group, DelayedGroup):
         raise TypeError(f"delayed_group: new_group returned {type(group).__qualname__}")
     group.delay = delay

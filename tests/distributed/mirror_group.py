@@ -13,17 +13,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Final, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from python_group import PythonGroup, register
 from torch import Tensor
 from torch._C._distributed_c10d import Store
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 __all__ = ["MirrorGroup", "mirror_world"]
-
-BACKEND: Final = "mirror"
 
 
 class _Done(dist.Work):
@@ -42,23 +41,15 @@ class _Done(dist.Work):
         return future
 
 
-class MirrorGroup(dist.ProcessGroup):
+class MirrorGroup(PythonGroup):
     """Rank 0 of ``size`` ranks that mirror it, taking tensors on ``device_type`` only."""
 
+    backend = "mirror"
     device_type = "cpu"  # set by mirror_world before the group is made
 
     def __init__(self, rank: int, size: int) -> None:
-        # The (rank, size) constructor, the one a Python subclass may call: torch's
-        # stubs list only the (store, rank, size) one.
-        cast(Any, super()).__init__(rank, size)
+        super().__init__(rank, size)
         self.calls: list[str] = []
-
-    def getBackendName(self) -> str:
-        return BACKEND
-
-    @property
-    def group_name(self) -> Any:  # torch's GroupName: the name c10d registered this group under
-        return dist.distributed_c10d._world.pg_names[self]
 
     def _take(self, kind: str, tensors: list[Tensor]) -> None:
         for tensor in tensors:
@@ -128,10 +119,9 @@ def _create(store: Store, rank: int, size: int, timeout: timedelta) -> MirrorGro
 @contextmanager
 def mirror_world(device_type: str, size: int = 2) -> Iterator[MirrorGroup]:
     """The default group, for the block: this process is rank 0 of ``size`` mirrors."""
-    if BACKEND.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+    register(MirrorGroup, _create, ["cpu", "cuda"])
     MirrorGroup.device_type = device_type
-    dist.init_process_group(BACKEND, store=FakeStore(), rank=0, world_size=size)
+    dist.init_process_group(MirrorGroup.backend, store=FakeStore(), rank=0, world_size=size)
     try:
         group = dist.group.WORLD
         if not isinstance(group, MirrorGroup):
