@@ -243,6 +243,14 @@ DIFFERENCES: Final = (
     ),
     Difference(
         "fully_shard",
+        "Trainable parameters of two dtypes (float32 and float64) in one application",
+        "taken: one collective per dtype",
+        "refused at the first forward with an `AssertionError`",
+        "Parameters are gathered and reduced by dtype.",
+        "probe:trainable_parameters_of_two_dtypes",
+    ),
+    Difference(
+        "fully_shard",
         "`copy.deepcopy` of a sharded module",
         "refused",
         "refused with an `AssertionError`",

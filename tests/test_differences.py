@@ -15,7 +15,7 @@ import inspect
 import re
 import tomllib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -32,7 +32,7 @@ from differences import (
     render,
 )
 from pages import DOCS, ROOT, pages
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -211,6 +211,32 @@ def _module_sharded_after_its_parent() -> Call:
     return lambda: fully_shard(ours[0], mesh=mesh)
 
 
+class _MixedDtypes(nn.Module):
+    """A float32 and a float64 layer in one module: one group of two dtypes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.single = nn.Linear(2, 2)
+        self.wide = nn.Linear(2, 2).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return cast(Tensor, self.single(x)) + cast(Tensor, self.wide(x.double())).float()
+
+
+def _step(model: nn.Module) -> None:
+    torch.autograd.backward(cast(Tensor, model(torch.ones(1, 2))).sum())
+
+
+def _trainable_parameters_of_two_dtypes() -> None:
+    mesh = init_device_mesh("cpu", (1,))
+    if _compat.REFERENCE_FULLY_SHARD_ON_CPU:
+        theirs = cast(nn.Module, torch_fully_shard(_MixedDtypes(), mesh=mesh))
+        _theirs_raise("probe:trainable_parameters_of_two_dtypes", lambda: _step(theirs))
+    ours = fully_shard(_MixedDtypes(), mesh=mesh)
+    _step(ours)
+    assert all(parameter.grad is not None for parameter in ours.parameters())
+
+
 def _frozen() -> nn.Module:
     return nn.Linear(2, 2).requires_grad_(False)
 
@@ -244,6 +270,7 @@ PROBES: dict[str, Probe] = {
     "rank_local": _rank_local,
     "shard_placement_result": _shard_placement_result,
     "torch_state_internals": _torch_state_internals,
+    "trainable_parameters_of_two_dtypes": _trainable_parameters_of_two_dtypes,
 }
 
 PROBED = [row for row in DIFFERENCES if row.check.startswith("probe:")]
