@@ -67,9 +67,14 @@ def used_from_flags(
     used = [False] * count
     if not results:
         return used
-    # Every bucket's flags in one read from the device: one wait, not one per bucket.
-    tails = [flat[flat.numel() - len(buckets[position]) :] for position, flat in results]
-    flags = iter(_torch.to_bools(torch.cat(tails) > 0))
+    # Every bucket's flags in one read from the device: one wait, not one per bucket
+    # (buckets of other dtypes or devices joined as booleans, on the first one's device).
+    device = results[0][1].device
+    tails = [
+        (flat[flat.numel() - len(buckets[position]) :] > 0).to(device, non_blocking=True)
+        for position, flat in results
+    ]
+    flags = iter(_torch.to_bools(torch.cat(tails)))
     for position, _ in results:
         for index in buckets[position]:
             used[index] = next(flags)
