@@ -117,11 +117,7 @@ def test_hsdp_all_reduce_on_its_stream_after_the_reduce_scatter(backend: FakeBac
 
 
 def _events(log: list[str], stream: str) -> list[int]:
-    return [
-        int(entry.split("event")[1].split("@")[0])
-        for entry in log
-        if entry.startswith("record event") and entry.endswith(f"@{stream}")
-    ]
+    return [int(event.split("event")[1].split("@")[0]) for event in _recorded(log, stream)]
 
 
 def test_post_optim_event_replaces_the_wait_for_compute(backend: FakeBackend) -> None:
@@ -148,15 +144,20 @@ def test_user_unshard_runs_on_the_callers_stream(backend: FakeBackend) -> None:
     assert "enter all_gather" not in backend.log
 
 
-def test_post_forward_gather_waits_for_what_the_forward_kept(backend: FakeBackend) -> None:
-    """An int reshard_after_forward: backward's copy-in reads what forward kept, on compute."""
+def _post_forward_step(backend: FakeBackend) -> list[str]:
+    """The log of a step whose layers reshard to 2 ranks of 4 after forward (an int)."""
     with fake_mesh((4,)) as flat:
         torch.manual_seed(0)
         model: Any = Model()
         for module in (model.first, model.second):
             fully_shard(module, mesh=flat, reshard_after_forward=2)
         fully_shard(model, mesh=flat)
-        log = _step(model, backend)
+        return _step(model, backend)
+
+
+def test_post_forward_gather_waits_for_what_the_forward_kept(backend: FakeBackend) -> None:
+    """An int reshard_after_forward: backward's copy-in reads what forward kept, on compute."""
+    log = _post_forward_step(backend)
     gathers = [index for index, entry in enumerate(log) if entry == "enter copy_in"]
     assert len(gathers) == 4  # 2 in forward, 2 in backward
     for index in gathers[:2]:  # the shards: the copy-in waited once, at the root's forward
@@ -176,13 +177,7 @@ def test_a_gather_input_of_its_own_is_held_by_the_compute_stream_too(
 ) -> None:
     """The batched input is a view of the output; a post-forward gather's is not (FSDP2's
     discipline: no copy-in may reuse an input the all-gather stream is still reading)."""
-    with fake_mesh((4,)) as flat:
-        torch.manual_seed(0)
-        model: Any = Model()
-        for module in (model.first, model.second):
-            fully_shard(module, mesh=flat, reshard_after_forward=2)
-        fully_shard(model, mesh=flat)
-        log = _step(model, backend)
+    log = _post_forward_step(backend)
     waits = [
         index
         for index, entry in enumerate(log)
@@ -239,13 +234,18 @@ def test_all_reduce_hook_without_a_stream_runs_on_the_all_reduce_stream(
     assert f"compute waits {event}" in log[-2:]
 
 
-def _gathers_and_waits(log: list[str]) -> tuple[list[str], list[str]]:
-    """The all-gather events recorded, and those the compute stream waited for."""
-    recorded = [
+def _recorded(log: list[str], stream: str) -> list[str]:
+    """The events recorded on ``stream``, in order."""
+    return [
         entry.removeprefix("record ")
         for entry in log
-        if entry.startswith("record event") and entry.endswith("@all_gather")
+        if entry.startswith("record event") and entry.endswith(f"@{stream}")
     ]
+
+
+def _gathers_and_waits(log: list[str]) -> tuple[list[str], list[str]]:
+    """The all-gather events recorded, and those the compute stream waited for."""
+    recorded = _recorded(log, "all_gather")
     waited = [
         entry.removeprefix("compute waits ")
         for entry in log
@@ -300,11 +300,7 @@ def test_after_a_failed_backward_the_next_forward_waits_for_its_reductions(
             fully_shard(module)
         with pytest.raises(RuntimeError, match="boom"):
             _step(model, backend)
-        reduced = [
-            entry.removeprefix("record ")
-            for entry in backend.log
-            if entry.startswith("record event") and entry.endswith("@reduce_scatter")
-        ]
+        reduced = _recorded(backend.log, "reduce_scatter")
         assert len(reduced) == 1  # second's, before the failure
         backend.log.clear()
         model(torch.ones(2, 4))

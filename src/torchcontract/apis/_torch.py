@@ -191,6 +191,10 @@ def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
     cast(Callable[[], object], optimizer.step)()
 
 
+#: torch's walk of a forward's inputs and outputs, which FSDP2 casts through.
+_apply_to_tensors: Final = vars(torch.distributed.utils)["_apply_to_tensors"]
+
+
 def map_tensors(function: Callable[[Tensor], Tensor], tree: _T) -> _T:
     """``tree`` with ``function`` applied to each of its tensors, as FSDP2 walks its casts.
 
@@ -199,9 +203,6 @@ def map_tensors(function: Callable[[Tensor], Tensor], tree: _T) -> _T:
     """
     apply = cast(Callable[[Callable[[Tensor], Tensor], object], object], _apply_to_tensors)
     return cast(_T, apply(function, tree))
-
-
-_apply_to_tensors: Final = vars(torch.distributed.utils)["_apply_to_tensors"]
 
 
 def object_collective_device(group: dist.ProcessGroup) -> torch.device:
