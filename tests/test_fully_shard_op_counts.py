@@ -1,11 +1,14 @@
-"""The aten ops one training step dispatches, ours beside FSDP2's: never more.
+"""The ops one training step dispatches, ours beside FSDP2's: never more, and its collectives.
 
 Each op is CPU work on every device (and a kernel launch on a GPU), so a count above
 FSDP2's is step time lost wherever the step runs. The ranks are PyTorch's fake
 process group (``fake_world``): rank 0 of a world of 1, 2 or 4, in this process, so
 both implementations dispatch exactly what they would on a real group, and the
 count is deterministic. The step counted is the third: the first two warm both up.
-``profiler`` ops (FSDP2's ``record_function`` ranges) are not counted.
+``profiler`` ops (FSDP2's ``record_function`` ranges) are not counted. The
+collectives (c10d's ops) are also listed in order with the reduce op each passes:
+a sum where FSDP2 averages costs a division kernel more on a GPU, and NCCL's
+average rounds as a premultiplied sum, not as a sum divided after.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from fake_world import fake_mesh
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -31,15 +35,23 @@ from torchcontract.demo import GPT, GPTConfig, synthetic_batch
 
 CONFIG = GPTConfig(dropout=0.0, layers=4)
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+FP16 = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
 CONFIGURATIONS = ("fp32", "bf16", "hsdp", "prefetch")
+#: Where FSDP2 sums: float16's range (divided before and after), and sums asked for.
+SUMMING = ("fp16", "force_sum")
 
 
 class OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch: untyped
-    """Counts every op dispatched while it is active, by name (``profiler`` ops left out)."""
+    """Counts every op dispatched while it is active, by name (``profiler`` ops left out).
+
+    ``collectives``: each c10d op in order, with the reduce op it passed (its
+    ``ReduceOp.RedOpType`` name), or None for one that reduces nothing.
+    """
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.counts: Counter[str] = Counter()
+        self.collectives: list[tuple[str, str | None]] = []
 
     def __torch_dispatch__(
         self,
@@ -51,7 +63,23 @@ class OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch: u
         name = str(func.overloadpacket)
         if not name.startswith("profiler."):
             self.counts[name] += 1
+        if name.startswith("c10d."):
+            self.collectives.append((name, _reduce_op(args)))
         return func(*args, **(kwargs or {}))
+
+
+_OP_NAMES: dict[int, str] = {
+    op.value: name for name, op in dist.ReduceOp.RedOpType.__members__.items()
+}
+
+
+def _reduce_op(args: tuple[Any, ...]) -> str | None:
+    """The name of the reduce op among a c10d op's arguments (a ``ReduceOp`` script object)."""
+    for argument in args:
+        if isinstance(argument, torch.ScriptObject) and "ReduceOp" in str(argument._type()):
+            op: Callable[[], int] = getattr(argument, "op")  # noqa: B009 (a TorchScript method)
+            return _OP_NAMES[op()]
+    return None
 
 
 def _sharded(library: str, configuration: str, mesh: DeviceMesh) -> GPT:
@@ -59,10 +87,14 @@ def _sharded(library: str, configuration: str, mesh: DeviceMesh) -> GPT:
     model = GPT(CONFIG)
     apply: Callable[..., Any] = torch_fully_shard if library == "torch" else fully_shard
     keywords: dict[str, Any] = {"mesh": mesh}
-    if configuration == "bf16":
-        keywords["mp_policy"] = BF16
+    if configuration in ("bf16", "fp16"):
+        keywords["mp_policy"] = BF16 if configuration == "bf16" else FP16
     for module in [*model.blocks, model]:
         apply(module, **keywords)
+    if configuration == "force_sum":
+        sharded: list[Any] = [*model.blocks, model]
+        for module in sharded:
+            module.set_force_sum_reduction_for_comms(True)
     if configuration == "prefetch":
         blocks: list[Any] = list(model.blocks)
         for current, following in itertools.pairwise(blocks):
@@ -71,8 +103,8 @@ def _sharded(library: str, configuration: str, mesh: DeviceMesh) -> GPT:
     return model
 
 
-def ops_per_step(library: str, configuration: str, mesh: DeviceMesh) -> Counter[str]:
-    """The ops of the third training step of ``library``'s sharded GPT, by name."""
+def ops_per_step(library: str, configuration: str, mesh: DeviceMesh) -> OpCounter:
+    """What the third training step of ``library``'s sharded GPT dispatched."""
     model = _sharded(library, configuration, mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     tokens, targets = synthetic_batch(CONFIG, 2, 0, 0)
@@ -88,10 +120,10 @@ def ops_per_step(library: str, configuration: str, mesh: DeviceMesh) -> Counter[
 
     step()
     step()
-    with OpCounter() as counter:
+    counter = OpCounter()
+    with counter:
         step()
-    counts: Counter[str] = counter.counts
-    return counts
+    return counter
 
 
 def _mesh(configuration: str, world: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -109,13 +141,32 @@ def _mesh(configuration: str, world: int) -> tuple[tuple[int, ...], tuple[str, .
 @pytest.mark.parametrize("configuration", CONFIGURATIONS)
 def test_step_dispatches_no_more_ops_than_fsdp2(configuration: str, world: int) -> None:
     with fake_mesh(*_mesh(configuration, world)) as mesh:
-        ours = ops_per_step("torchcontract", configuration, mesh)
-        theirs = ops_per_step("torch", configuration, mesh)
+        ours = ops_per_step("torchcontract", configuration, mesh).counts
+        theirs = ops_per_step("torch", configuration, mesh).counts
     more = {name: count - theirs[name] for name, count in ours.items() if count > theirs[name]}
     assert sum(ours.values()) <= sum(theirs.values()), (
         f"{configuration} on {world} rank(s): {sum(ours.values())} ops per step against "
         f"FSDP2's {sum(theirs.values())}; more of: {more}"
     )
+
+
+@pytest.mark.skipif(
+    not REFERENCE_FULLY_SHARD_ON_CPU,
+    reason=f"PyTorch's fully_shard fails on CPU with torch {torch.__version__}",
+)
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("configuration", CONFIGURATIONS + SUMMING)
+def test_step_sends_fsdp2s_collectives_with_its_reduce_ops(configuration: str, world: int) -> None:
+    """Each collective, in order, with FSDP2's reduce op: averages where FSDP2's average."""
+    with fake_mesh(*_mesh(configuration, world)) as mesh:
+        ours = ops_per_step("torchcontract", configuration, mesh).collectives
+        theirs = ops_per_step("torch", configuration, mesh).collectives
+    assert ours == theirs
+    reductions = {op for name, op in ours if "reduce" in name}
+    if configuration != "hsdp" and world == 1:
+        assert reductions == set()  # a shard group of one: nothing to reduce
+    else:
+        assert reductions == {"SUM" if configuration in SUMMING else "AVG"}
 
 
 def test_counter_sees_each_op_of_a_step() -> None:

@@ -89,18 +89,26 @@ class Recorder:
 @contextlib.contextmanager
 def recording_all_reduces(found: list[int]) -> Iterator[None]:
     """Append the bytes of each all-reduce either API issues to ``found``, inside the block."""
-    ours, theirs = _torch.all_reduce, dist.all_reduce
+    ours, ours_average, theirs = _torch.all_reduce, _torch.all_reduce_average, dist.all_reduce
+
+    def record(tensor: Tensor) -> None:
+        found.append(tensor.numel() * tensor.element_size())
 
     def recorded_ours(tensor: Tensor, group: dist.ProcessGroup) -> dist.Work:
-        found.append(tensor.numel() * tensor.element_size())
+        record(tensor)
         return ours(tensor, group)
 
+    def recorded_ours_average(tensor: Tensor, group: dist.ProcessGroup) -> None:
+        record(tensor)
+        ours_average(tensor, group)
+
     def recorded_theirs(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
-        found.append(tensor.numel() * tensor.element_size())
+        record(tensor)
         return theirs(tensor, *args, **kwargs)
 
-    _torch.all_reduce, dist.all_reduce = recorded_ours, recorded_theirs
+    _torch.all_reduce, _torch.all_reduce_average = recorded_ours, recorded_ours_average
+    dist.all_reduce = recorded_theirs
     try:
         yield
     finally:
-        _torch.all_reduce, dist.all_reduce = ours, theirs
+        _torch.all_reduce, _torch.all_reduce_average, dist.all_reduce = ours, ours_average, theirs

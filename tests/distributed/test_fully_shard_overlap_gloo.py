@@ -145,8 +145,11 @@ def test_ours_exposes_no_more_communication_than_fsdp2() -> None:
             assert kinds == Counter(wait.kind for wait in theirs["waits"]), scenario
             exposed = sum(wait.blocked for wait in ours["waits"])
             assert exposed <= sum(wait.blocked for wait in theirs["waits"]), scenario
-            assert _hidden(theirs["waits"]) == 0, scenario
             # Forward: each block but the first is gathered behind the one before
             # (implicitly: in the order of the step before); backward: each block but
-            # the last, behind the one after.
-            assert _hidden(ours["waits"]) == 2 * (BLOCKS - 1), scenario
+            # the last, behind the one after. FSDP2 waits at once, so none of its
+            # collectives hides, unless its rank is descheduled for the whole delay
+            # between issuing one and waiting on it (a loaded machine), which can hide
+            # one of ours that is not prefetched too.
+            assert _hidden(ours["waits"]) >= 2 * (BLOCKS - 1), scenario
+            assert _hidden(theirs["waits"]) < _hidden(ours["waits"]) / 2, scenario

@@ -23,6 +23,7 @@ from torch.utils import checkpoint as torch_checkpoint
 __all__ = [
     "DATA_PARALLEL_MESH_DIMS",
     "DDP_KEYWORDS",
+    "GLOO_AVERAGES",
     "OLDEST_TESTED",
     "REFERENCE_FULLY_SHARD_ON_CPU",
     "TORCH_VERSION",
@@ -42,6 +43,11 @@ OLDEST_TESTED: Final = (2, 6)
 #: CPU with gloo: torch 2.6's fails there (its CPU stream has no ``record_event``);
 #: 2.13 and 2.14 run; the releases between are not tested, so not assumed.
 REFERENCE_FULLY_SHARD_ON_CPU: Final = TORCH_VERSION >= (2, 13)
+
+#: Whether gloo takes ``ReduceOp.AVG``: torch 2.6's sums where a reduce-scatter asks it
+#: to average, and refuses it in an all-reduce; 2.13 and 2.14 average (a sum, then a
+#: division); the releases between are not tested, so not assumed.
+GLOO_AVERAGES: Final = TORCH_VERSION >= (2, 13)
 
 #: The keywords this torch's ``DistributedDataParallel`` takes: ``replicate`` refuses one
 #: of DDP's keywords this torch's DDP lacks (newer releases add some).

@@ -28,8 +28,10 @@ __all__ = [
     "all_gather_into",
     "all_gather_into_async",
     "all_reduce",
+    "all_reduce_average",
     "all_reduce_blocking",
     "all_reduce_max",
+    "averages_in_collectives",
     "barrier",
     "broadcast",
     "checkpoint_generator",
@@ -279,16 +281,38 @@ def all_gather_into_async(output: Tensor, input: Tensor, group: dist.ProcessGrou
     return work
 
 
+def averages_in_collectives(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` takes ``ReduceOp.AVG``, which FSDP2 passes: all but torch 2.6's gloo.
+
+    NCCL averages inside the collective (its float average scales each input by
+    ``1 / size``): one kernel fewer than a sum and a division, and FSDP2's rounding.
+    Gloo before torch 2.13 sums where asked to average in a reduce-scatter and refuses
+    in an all-reduce; there the sum is divided after it (gloo's own average since).
+    """
+    return _compat.GLOO_AVERAGES or "gloo" not in group.name()
+
+
 def reduce_scatter_average(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:
     """Average ``input`` over ``group`` and keep this rank's slice in ``output``; wait.
 
     ``input`` holds ``group.size()`` equal slices, one per rank, in rank order.
-    A sum, then a division: torch 2.6's gloo takes ``ReduceOp.AVG`` here for a sum,
-    silently. Where gloo averages, the results agree to rounding (0.0 to 1.4e-9 in the
-    parity tests).
+    ``ReduceOp.AVG`` where the group takes it (``averages_in_collectives``), else a
+    sum and a division.
     """
+    if averages_in_collectives(group):
+        _reduce_scatter_single(output, input, op=dist.ReduceOp.AVG, group=group)
+        return
     _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group)
     output.div_(group.size())
+
+
+def all_reduce_average(tensor: Tensor, group: dist.ProcessGroup) -> None:
+    """Average ``tensor`` over ``group`` in place; wait. As ``reduce_scatter_average``."""
+    if averages_in_collectives(group):
+        _all_reduce(tensor, group=group, op=dist.ReduceOp.AVG)
+        return
+    _all_reduce(tensor, group=group)
+    tensor.div_(group.size())
 
 
 def reduce_scatter_sum(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:

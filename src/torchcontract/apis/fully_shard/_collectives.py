@@ -407,9 +407,10 @@ def _reduce(
                 stack.enter_context(streams.all_reducing(reduced))
                 last = streams.all_reduce
             assert replicate_group is not None
-            _torch.all_reduce(reduced, replicate_group).wait()
             if divide_factor is None and divided.in_collectives:  # the all-reduce averages
-                reduced.div_(replicas)
+                _torch.all_reduce_average(reduced, replicate_group)
+            else:
+                _torch.all_reduce(reduced, replicate_group).wait()
         if reduction.hook is not None and streams is not None:
             last = stack.enter_context(streams.hooking(reduced, reduction.hook_stream))
         _store(parameters, reduced, reduction.hook, divided.after)
