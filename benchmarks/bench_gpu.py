@@ -6,14 +6,19 @@ of the two libraries (ours first, then torch's, ``--runs`` times), each run a fr
 model trained on the same batches, with ``gc.collect()`` and an emptied cache between
 runs (FSDP2's modules sit in reference cycles and would otherwise inflate the next
 run's memory). A run's step time is the median of its timed steps; a row's, the
-median over its runs. Peak memory is the most allocated during a run's steps.
+median over its runs. Peak memory is the most allocated during a run's steps, and
+the most the caching allocator reserved: a buffer freed while another stream still
+reads it (``record_stream``) leaves the allocated count at once but stays reserved,
+where FSDP2 keeps such buffers referenced until it is done with them.
 
 Rows: (a) 8 blocks, dim 512, sequence 512, one NCCL rank; (b) the same with each
 block compiled; (c) 16 blocks, dim 2048 (0.94B parameters), one NCCL rank;
 (d) 32 blocks, dim 4096 (6.7B), a fake 8-rank group (backend ``fake``: collectives
-are free, so the row measures everything else). Writes a markdown table with the
-machine, torch and date to ``benchmarks/results/gpu.md``, which the performance page
-includes. Sized to finish in under 4 minutes on one H200.
+are free, so the row measures everything else). The compiled row runs last: it needs
+a C compiler for triton, which a machine may lack. A row that fails is reported as
+failed and the others still run; the table is written after each row. Writes a
+markdown table with the machine, torch and date to ``benchmarks/results/gpu.md``,
+which the performance page includes. Sized to finish in under 4 minutes on one H200.
 
 Plain python, torch and this package only: ``PYTHONPATH=src python3
 benchmarks/bench_gpu.py``. ``--smoke`` runs every row in a tiny size on the CPU
@@ -85,9 +90,9 @@ class Row:
 
 ROWS = (
     Row(8, 512, 512, 8, 1),
-    Row(8, 512, 512, 8, 1, compiled=True),
     Row(16, 2048, 512, 4, 1, warmup=2, steps=6),
     Row(32, 4096, 1024, 1, 8, warmup=2, steps=4),
+    Row(8, 512, 512, 8, 1, compiled=True),
 )
 
 
@@ -187,16 +192,21 @@ def _synchronize(device: str) -> None:
 Batch = tuple[Tensor, Tensor]
 
 
+#: Peak bytes of a run: the most allocated, the most reserved (None on the CPU).
+Peak = tuple[int, int] | None
+
+
 def _run(
     row: Row, library: str, mesh: DeviceMesh, batches: list[Batch], vocabulary: int
-) -> tuple[float, int | None]:
+) -> tuple[float, Peak]:
     """One run: a fresh model, warm-up steps, timed steps; (median seconds, peak bytes)."""
     device = mesh.device_type
+    _collect(device)
+    if device != "cpu":
+        torch.get_device_module(device).reset_peak_memory_stats()
     model = _sharded(row, library, mesh, vocabulary)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     times: list[float] = []
-    if device != "cpu":
-        torch.get_device_module(device).reset_peak_memory_stats()
     for index in range(row.warmup + row.steps):
         tokens, targets = batches[index % len(batches)]
         _synchronize(device)
@@ -205,7 +215,10 @@ def _run(
         _synchronize(device)
         if index >= row.warmup:
             times.append(time.perf_counter() - started)
-    peak = None if device == "cpu" else torch.get_device_module(device).max_memory_allocated()
+    peak: Peak = None
+    if device != "cpu":
+        module = torch.get_device_module(device)
+        peak = (module.max_memory_allocated(), module.max_memory_reserved())
     del model, optimizer
     _collect(device)
     return statistics.median(times), peak
@@ -262,9 +275,12 @@ def _free_port() -> int:
 
 @dataclass(frozen=True)
 class Result:
+    """A row's figures per library, or why the row failed (``failure``)."""
+
     row: Row
     seconds: dict[str, float]
-    peaks: dict[str, int | None]
+    peaks: dict[str, Peak]
+    failure: str | None = None
 
 
 def measure(row: Row, device: str, runs: int) -> Result:
@@ -278,21 +294,23 @@ def measure(row: Row, device: str, runs: int) -> Result:
 
     batches = [(tokens(), tokens()) for _ in range(2)]
     times: dict[str, list[float]] = {library: [] for library in LIBRARIES}
-    peaks: dict[str, int | None] = dict.fromkeys(LIBRARIES)
+    peaks: dict[str, Peak] = dict.fromkeys(LIBRARIES)
     with _group(row, device) as mesh:
         for _ in range(runs):
             for library in LIBRARIES:
                 seconds, peak = _run(row, library, mesh, batches, vocabulary)
                 times[library].append(seconds)
                 if peak is not None:
-                    peaks[library] = max(peaks[library] or 0, peak)
+                    allocated, reserved = peaks[library] or (0, 0)
+                    peaks[library] = (max(allocated, peak[0]), max(reserved, peak[1]))
     return Result(
         row, {library: statistics.median(found) for library, found in times.items()}, peaks
     )
 
 
-def _gib(peak: int | None) -> str:
-    return "n/a" if peak is None else f"{peak / 2**30:.2f} GiB"
+def _gib(peak: Peak) -> str:
+    """``allocated / reserved`` in GiB."""
+    return "n/a" if peak is None else f"{peak[0] / 2**30:.2f} / {peak[1] / 2**30:.2f} GiB"
 
 
 def table(results: list[Result], device: str, runs: int) -> str:
@@ -309,7 +327,7 @@ def table(results: list[Result], device: str, runs: int) -> str:
         "per library, each on a fresh model and the same batches.",
         "",
         "| model (bf16 params, fp32 reduce) | ranks | FSDP2 step | ours | ratio "
-        "| FSDP2 peak | ours peak |",
+        "| FSDP2 peak, allocated / reserved | ours |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for result in results:
@@ -317,6 +335,9 @@ def table(results: list[Result], device: str, runs: int) -> str:
         ranks = "1 (NCCL)" if row.world == 1 else f"{row.world} (fake group: collectives free)"
         if device == "cpu" and row.world == 1:
             ranks = "1 (gloo)"
+        if result.failure is not None:
+            lines.append(f"| {row.label} | {ranks} | failed: {result.failure} | | | | |")
+            continue
         theirs, ours = result.seconds["torch"], result.seconds["torchcontract"]
         lines.append(
             f"| {row.label} | {ranks} | {theirs * 1e3:.1f} ms | {ours * 1e3:.1f} ms | "
@@ -339,16 +360,20 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cuda":
         torch.cuda.set_device(0)
     rows = [_smoke(row) for row in ROWS] if arguments.smoke else list(ROWS)
-    results = []
+    results: list[Result] = []
+    arguments.output.parent.mkdir(parents=True, exist_ok=True)
     for row in rows:
         started = time.perf_counter()
-        results.append(measure(row, device, arguments.runs))
+        try:
+            results.append(measure(row, device, arguments.runs))
+        except Exception as error:  # the other rows still run; the exit status says so
+            first_line = (str(error).splitlines() or [""])[0][:200]
+            results.append(Result(row, {}, {}, f"{type(error).__name__}: {first_line}"))
+            _collect(device)
         print(f"{row.label}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
-    text = table(results, device, arguments.runs)
-    arguments.output.parent.mkdir(parents=True, exist_ok=True)
-    arguments.output.write_text(text)
-    print(text)
-    return 0
+        arguments.output.write_text(table(results, device, arguments.runs))
+    print(arguments.output.read_text())
+    return 1 if any(result.failure is not None for result in results) else 0
 
 
 if __name__ == "__main__":

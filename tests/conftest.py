@@ -3,37 +3,20 @@
 from __future__ import annotations
 
 import gc
-import os
+import importlib.util
 import platform
 from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import settings
-from strategies import PROFILE
 
 from torchcontract.testing import free_port
 
-# Tests run on a few shared CPU cores; a per-example deadline would only measure the
-# machine's load, so hypothesis checks behaviour, never speed. Under CI, start from
-# hypothesis' own "ci" profile: derandomized, so a run is reproducible from its log.
-settings.register_profile(
-    "torchcontract",
-    parent=settings.get_profile("ci") if os.environ.get("CI") else None,
-    deadline=None,
-)
-# `make fuzz`: random seeds every run, ten times the examples (see strategies.examples)
-# and longer stateful runs; failures are kept in the example database and replayed first.
-settings.register_profile(
-    "fuzz", deadline=None, derandomize=False, max_examples=1_000, stateful_step_count=100
-)
-# `make mutate`: every mutant sees the same few examples, so a kill is reproducible and a
-# run of hundreds of mutants ends; no database, which forked mutant runs would share.
-settings.register_profile(
-    "mutate", deadline=None, derandomize=True, database=None, max_examples=10, print_blob=False
-)
-settings.load_profile(PROFILE or "torchcontract")
+# The hypothesis profiles, where hypothesis is installed: `make test-gpu` runs on a
+# machine with torch, attrs, typing-extensions and pytest only, and its tests use none.
+if importlib.util.find_spec("hypothesis") is not None:
+    import hypothesis_profiles  # noqa: F401 (registers and loads the profile)
 
 
 @pytest.fixture(scope="module")

@@ -44,3 +44,27 @@ def test_bench_gpu_smoke_writes_every_row(tmp_path: Path) -> None:
     for row in rows:
         ratio = float(row.split("|")[5])
         assert ratio > 0
+
+
+def test_a_failing_row_is_reported_and_the_others_still_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks import bench_gpu
+
+    def measure(row: bench_gpu.Row, device: str, runs: int) -> bench_gpu.Result:
+        if row.compiled:
+            raise RuntimeError("no C compiler\nfor triton")
+        seconds = {"torchcontract": 0.9, "torch": 1.0}
+        return bench_gpu.Result(row, seconds, dict.fromkeys(seconds))
+
+    monkeypatch.setattr(bench_gpu, "measure", measure)
+    output = tmp_path / "gpu.md"
+    assert bench_gpu.main(["--smoke", "--output", str(output)]) == 1
+    rows = [line for line in output.read_text().splitlines() if line.startswith("| 2 blocks")]
+    assert [row.split("|")[3].strip() for row in rows] == [
+        "1000.0 ms",
+        "1000.0 ms",
+        "1000.0 ms",
+        "failed: RuntimeError: no C compiler",
+    ]
+    assert "blocks compiled" in rows[-1]
