@@ -4,10 +4,13 @@
 ``use_fake_streams`` gives every root made after it a ``FakeBackend`` instead of
 ``None`` (the CPU's answer), so a test on CPU meshes reads the order of its waits,
 events, stream switches and ``record_stream`` calls as FSDP2's design prescribes.
+``watch`` adds a buffer's allocation and its freeing (its last reference gone) to
+the log, so a test reads when the caching allocator could reuse its memory.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import cast
@@ -61,6 +64,11 @@ class FakeBackend:
 
     def record_stream(self, tensor: Tensor, stream: torch.Stream) -> None:
         self.log.append(f"record_stream {stream}")
+
+    def watch(self, tensor: Tensor, name: str) -> None:
+        """Log ``alloc <name>`` now and ``free <name>`` once ``tensor`` is freed."""
+        self.log.append(f"alloc {name}")
+        weakref.finalize(tensor, self.log.append, f"free {name}")
 
 
 def use_fake_streams(monkeypatch: pytest.MonkeyPatch) -> FakeBackend:

@@ -6,11 +6,16 @@ instead of queueing them, on a fake process group of 2 CPU ranks. The order of t
 log is FSDP2's design: copy-in on its stream, the collective on the all-gather stream
 after it, the copy-out on the compute stream after the gather's event; the
 reduce-scatter on its stream after the compute stream, and the end of backward
-waiting for it. The real streams run under ``tests/distributed/test_cuda_streams.py``.
+waiting for it. And FSDP2's memory discipline: each buffer freed only once the stream
+that allocated it waits for the last use on another stream, so the caching allocator
+reuses it in stream order, and only so many in flight (the log shows each watched
+buffer's allocation and freeing). The real streams run under
+``tests/distributed/test_cuda_streams.py``.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -21,6 +26,7 @@ from fake_world import fake_mesh
 from torch import Tensor, nn
 
 from torchcontract.apis import fully_shard
+from torchcontract.apis.fully_shard import _copies
 
 
 class Model(nn.Module):
@@ -35,7 +41,27 @@ class Model(nn.Module):
 
 @pytest.fixture
 def backend(monkeypatch: pytest.MonkeyPatch) -> FakeBackend:
-    return use_fake_streams(monkeypatch)
+    """The fake stream API; it also watches each batched gather's and reduction's buffer."""
+    fake = use_fake_streams(monkeypatch)
+    counts = {"gathered": 0, "reduce input": 0}
+
+    def watched(kind: str, tensor: Tensor) -> Tensor:
+        counts[kind] += 1
+        fake.watch(tensor, f"{kind} {counts[kind]}")
+        return tensor
+
+    copy_in, gradient_input = _copies.copy_in, _copies.gradient_input
+
+    def watched_copy_in(*args: Any) -> tuple[Tensor, Tensor]:
+        flat, gathered = copy_in(*args)
+        return flat, watched("gathered", gathered)
+
+    def watched_gradient_input(*args: Any) -> Tensor:
+        return watched("reduce input", gradient_input(*args))
+
+    monkeypatch.setattr(_copies, "copy_in", watched_copy_in)
+    monkeypatch.setattr(_copies, "gradient_input", watched_gradient_input)
+    return fake
 
 
 def _sharded() -> Any:
@@ -66,6 +92,8 @@ def test_all_gather_copy_in_then_collective_then_copy_out_after_event(
 ) -> None:
     with fake_mesh((2,)):
         log = _step(_sharded(), backend)
+    _assert_freed_in_stream_order(log)
+    log = _streams_only(log)
     start = log.index("enter copy_in")
     assert log[start : start + 6] == [
         "enter copy_in",
@@ -75,11 +103,87 @@ def test_all_gather_copy_in_then_collective_then_copy_out_after_event(
         "record event1@all_gather",
         "leave all_gather",
     ]
-    # The copy-out waits for that event on the compute stream and holds the output there.
+    # The copy-out waits for that event on the compute stream; an event after it follows.
     waited = log.index("compute waits event1@all_gather")
-    assert log[waited + 1] == "record_stream compute"
+    assert log[waited + 1] == "record event2@compute"
     # 2 groups gather in forward and again in backward (the root has no parameters).
     assert log.count("enter all_gather") == 4
+
+
+def _streams_only(log: list[str]) -> list[str]:
+    """``log`` without the watched buffers' allocations and frees."""
+    return [entry for entry in log if not entry.startswith(("alloc ", "free "))]
+
+
+def _after(log: list[str], start: int, prefix: str, suffix: str) -> tuple[int, str]:
+    """The first entry from ``start`` on with ``prefix`` and ``suffix``, and its index."""
+    found = [
+        i for i in range(start, len(log)) if log[i].startswith(prefix) and log[i].endswith(suffix)
+    ]
+    assert found, f"no {prefix}...{suffix} after {log[start]!r}"
+    return found[0], log[found[0]]
+
+
+def _assert_freed_in_stream_order(log: list[str], *, in_flight: int = 3) -> None:
+    """Each watched buffer is freed only after its allocating stream waited for its last use.
+
+    A gather's output (allocated on the copy-in stream): once the copy-in and all-gather
+    streams waited for the event recorded after its copy-out on the compute stream (or,
+    dropped unused, after its collective). A reduction's input (allocated on the compute
+    stream): once the compute stream waited for the event after its reduce-scatter. At
+    most ``in_flight`` gathers' outputs (the one kept after its copy-out, the one in use
+    and a prefetch) and one reduction's input are alive at once, as FSDP2's.
+    """
+    alive: dict[str, int] = {"gathered": 0, "reduce input": 0}
+    for index, entry in enumerate(log):
+        if not entry.startswith(("alloc ", "free ")):
+            continue
+        action, name = entry.split(" ", 1)
+        kind = name.rsplit(" ", 1)[0]
+        alive[kind] += 1 if action == "alloc" else -1
+        assert alive["gathered"] <= in_flight, log[: index + 1]
+        assert alive["reduce input"] <= 1, log[: index + 1]
+        if action == "alloc":
+            continue
+        start = log.index(f"alloc {name}")
+        if kind == "reduce input":
+            _, event = _after(log, start, "record event", "@reduce_scatter")
+            assert f"compute waits {event.removeprefix('record ')}" in log[start:index], name
+            continue
+        position, event = _after(log, start, "record event", "@all_gather")
+        gathered = event.removeprefix("record ")
+        if f"compute waits {gathered}" in log[position:index]:  # copied out: the event after
+            waited = log.index(f"compute waits {gathered}", position)
+            _, copied = _after(log, waited, "record event", "@compute")
+            gathered = copied.removeprefix("record ")
+        for stream in ("copy_in", "all_gather"):
+            assert f"{stream} waits {gathered}" in log[position:index], (name, stream)
+
+
+def test_memory_is_freed_in_stream_order_over_steps_with_prefetch(
+    backend: FakeBackend,
+) -> None:
+    """Three steps of four blocks, each prefetching the next in forward and backward."""
+    with fake_mesh((2,)):
+        torch.manual_seed(0)
+        model: Any = nn.Sequential(*(nn.Linear(4, 4) for _ in range(4)))
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        for current, following in itertools.pairwise(model):
+            current.set_modules_to_forward_prefetch([following])
+            following.set_modules_to_backward_prefetch([current])
+        backend.log.clear()
+        for _ in range(3):
+            model(torch.ones(2, 4)).sum().backward()
+    log = backend.log
+    _assert_freed_in_stream_order(log)
+    # 4 gathers in each forward and backward, 4 reductions in each backward: all freed by
+    # the end of the last backward.
+    assert sum(entry.startswith("alloc gathered") for entry in log) == 24
+    assert sum(entry.startswith("free gathered") for entry in log) == 24
+    assert sum(entry.startswith("alloc reduce input") for entry in log) == 12
+    assert sum(entry.startswith("free reduce input") for entry in log) == 12
 
 
 def test_reduce_scatter_on_its_stream_and_backward_end_waits_for_it(
@@ -90,15 +194,20 @@ def test_reduce_scatter_on_its_stream_and_backward_end_waits_for_it(
     reductions = [i for i, entry in enumerate(log) if entry == "reduce_scatter waits compute"]
     assert len(reductions) == 2
     for index in reductions:
-        assert log[index + 1 : index + 3] == [
-            "record_stream reduce_scatter",
-            "enter reduce_scatter",
-        ]
-    events = [entry.split()[1] for entry in log if entry.startswith("record event")]
-    reduce_events = [event for event in events if event.endswith("@reduce_scatter")]
-    assert len(reduce_events) == 2
-    # The end of backward: the compute stream waits for every reduction, after the last.
-    assert sorted(log[-2:]) == sorted(f"compute waits {event}" for event in reduce_events)
+        assert log[index + 1] == "enter reduce_scatter"
+    # Each reduction records the event after its reduce-scatter (its input's), then the one
+    # after its last work (here the same stream).
+    reduce_events = _recorded(log, "reduce_scatter")
+    assert len(reduce_events) == 4
+    # The second reduction's input is allocated once the compute stream waited for the
+    # first one's reduce-scatter, which frees the first input.
+    assert log.index(f"compute waits {reduce_events[0]}") < log.index("alloc reduce input 2")
+    # The end of backward: the compute stream waits for every reduction, and for the input
+    # still in flight.
+    ends = [f"compute waits {event}" for event in reduce_events[1::2]]
+    assert sorted(log[-4:-2]) == sorted(ends)
+    assert log[-2:] == [f"compute waits {reduce_events[2]}", "free reduce input 2"]
+    _assert_freed_in_stream_order(log)
 
 
 def test_hsdp_all_reduce_on_its_stream_after_the_reduce_scatter(backend: FakeBackend) -> None:
@@ -113,7 +222,8 @@ def test_hsdp_all_reduce_on_its_stream_after_the_reduce_scatter(backend: FakeBac
     # Its buffer, from the reduce-scatter stream, is not reused before the all-reduce is done.
     assert log[index + 1 : index + 3] == ["record_stream all_reduce", "enter all_reduce"]
     expected = [f"compute waits event{n}@all_reduce" for n in _events(log, "all_reduce")]
-    assert sorted(log[-2:]) == sorted(expected)
+    assert sorted(log[-4:-2]) == sorted(expected)
+    _assert_freed_in_stream_order(log)
 
 
 def _events(log: list[str], stream: str) -> list[int]:
@@ -172,19 +282,26 @@ def test_post_forward_gather_waits_for_what_the_forward_kept(backend: FakeBacken
         ]
 
 
-def test_a_gather_input_of_its_own_is_held_by_the_compute_stream_too(
-    backend: FakeBackend,
-) -> None:
-    """The batched input is a view of the output; a post-forward gather's is not (FSDP2's
-    discipline: no copy-in may reuse an input the all-gather stream is still reading)."""
+def test_every_copy_out_is_waited_for_by_the_gather_streams(backend: FakeBackend) -> None:
+    """Forward's copy-outs when the next one is done (the last at the root's forward end),
+    backward's at once: then no copy-in reuses a buffer the compute stream still reads.
+    Backward's gathers here (after a post-forward reshard) have inputs of their own."""
     log = _post_forward_step(backend)
     waits = [
         index
         for index, entry in enumerate(log)
         if entry.startswith("compute waits event") and entry.endswith("@all_gather")
     ]
-    held = [log[index + 1 : index + 3].count("record_stream compute") for index in waits]
-    assert held == [1, 1, 2, 2]  # forward: the output alone; backward: output and input
+    assert len(waits) == 4
+    copied = [log[index + 1].removeprefix("record ") for index in waits]
+    assert all(event.endswith("@compute") for event in copied)
+    # Where the copy-in and then the all-gather stream wait for each copy-out's event.
+    released = [log.index(f"copy_in waits {event}") for event in copied]
+    assert [log.index(f"all_gather waits {event}") for event in copied] == [
+        index + 1 for index in released
+    ]
+    assert waits[1] < released[0] < released[1] < waits[2]  # forward: kept until the next
+    assert released[2:] == [waits[2] + 2, waits[3] + 2]  # backward: at once
 
 
 def _between(log: list[str], first: str, last: str) -> list[str]:
@@ -202,16 +319,19 @@ def test_all_reduce_hook_on_its_stream_after_the_reduction(backend: FakeBackend)
             lambda output: backend.log.append("hook"), stream=hook_stream
         )
         log = _step(model, backend)
-    assert _between(log, "hook_stream waits reduce_scatter", "leave reduce_scatter") == [
+    hooked = _between(log, "hook_stream waits reduce_scatter", "leave reduce_scatter")
+    event = hooked[5].removeprefix("record ")
+    assert hooked == [
         "hook_stream waits reduce_scatter",
         "record_stream hook_stream",
         "enter hook_stream",
         "hook",
         "leave hook_stream",
-        "record event5@hook_stream",
+        f"record {event}",
         "leave reduce_scatter",
     ]
-    assert "compute waits event5@hook_stream" in log[-2:]
+    assert event.endswith("@hook_stream")
+    assert f"compute waits {event}" in log[-3:]
 
 
 def test_all_reduce_hook_without_a_stream_runs_on_the_all_reduce_stream(
@@ -231,7 +351,7 @@ def test_all_reduce_hook_without_a_stream_runs_on_the_all_reduce_stream(
     ]
     event = hooked[5].removeprefix("record ")
     assert event.endswith("@all_reduce")
-    assert f"compute waits {event}" in log[-2:]
+    assert f"compute waits {event}" in log[-3:]
 
 
 def _recorded(log: list[str], stream: str) -> list[str]:
@@ -256,18 +376,21 @@ def _gathers_and_waits(log: list[str]) -> tuple[list[str], list[str]]:
 
 def test_a_dropped_prefetch_is_waited_for_before_its_buffers_go(backend: FakeBackend) -> None:
     """``set_unshard_in_backward(False)``: the gather prefetched for backward goes unused and
-    is dropped; the compute stream still waits for it and holds its buffers (as FSDP2's
-    wait on the all-gather event), so no copy-in reuses them while the gather writes."""
+    is dropped; the gather streams wait for its collective before its buffers go, so no
+    copy-in reuses them while the gather writes."""
     with fake_mesh((2,)):
         model = _sharded()
         model.first.set_unshard_in_backward(False)
         log = _step(model, backend)
     recorded, waited = _gathers_and_waits(log)
     assert len(recorded) == 4  # both in forward, and both in backward (the first one dropped)
-    assert waited == recorded
-    for event in recorded:
-        index = log.index(f"compute waits {event}")
-        assert log[index + 1] == "record_stream compute"
+    assert waited == recorded[:3]  # the dropped one is never copied out
+    freed = log.index("free gathered 4")
+    assert log[freed - 2 : freed] == [
+        f"copy_in waits {recorded[3]}",
+        f"all_gather waits {recorded[3]}",
+    ]
+    _assert_freed_in_stream_order(log)
 
 
 class _Boom(torch.autograd.Function):
@@ -301,11 +424,13 @@ def test_after_a_failed_backward_the_next_forward_waits_for_its_reductions(
         with pytest.raises(RuntimeError, match="boom"):
             _step(model, backend)
         reduced = _recorded(backend.log, "reduce_scatter")
-        assert len(reduced) == 1  # second's, before the failure
+        assert len(reduced) == 2  # second's (its input's, its end's), before the failure
         backend.log.clear()
         model(torch.ones(2, 4))
-    assert backend.log[:3] == [
+    assert backend.log[:5] == [
+        f"compute waits {reduced[1]}",
         f"compute waits {reduced[0]}",
+        "free reduce input 1",
         "copy_in waits compute",
         "all_gather waits compute",
     ]

@@ -43,24 +43,31 @@ class PendingGather:
         self._works = works
         self.requested = False
 
-    def finish(self) -> None:
-        """Wait for the collective(s) and register the unsharded parameters."""
-        self.wait()
-        parts, self._parts = self._parts, []
-        for part in parts:
-            part.finish()
+    def finish(self, *, keep: bool = False) -> None:
+        """Wait for the collective(s) and register the unsharded parameters.
 
-    def discard(self) -> None:
-        """Wait for the collective(s) and drop their result (no rank may leave one behind).
-
-        On an accelerator, as FSDP2's before it drops an unused gather: the caller's
-        stream waits for the gather and holds its buffers, which the caching allocator
-        then reuses only once the gather is done writing them.
+        On an accelerator, the buffers go as ``CommStreams.copied_out`` says; ``keep``:
+        a forward's gather, whose buffers are kept until the next one's copy-out.
         """
         self.wait()
         parts, self._parts = self._parts, []
         for part in parts:
-            part.release()
+            part.finish()
+        streams = next((part.streams for part in parts if part.event is not None), None)
+        if streams is not None:
+            streams.copied_out([buffer for part in parts for buffer in part.buffers()], keep=keep)
+
+    def discard(self) -> None:
+        """Wait for the collective(s) and drop their result (no rank may leave one behind).
+
+        On an accelerator, the buffers go once the gather streams wait for the
+        collective that writes them (``CommStreams.drop_gather``).
+        """
+        self.wait()
+        parts, self._parts = self._parts, []
+        for part in parts:
+            if part.streams is not None and part.event is not None:
+                part.streams.drop_gather(part.event)
 
     def wait(self) -> None:
         """Wait for the collectives that run on gloo's threads (none on an accelerator)."""
@@ -98,20 +105,17 @@ class _Part:
         # On an accelerator: the all-gather stream's event that the copy-out waits for.
         self.event = None if streams is None or gathered is None else streams.gathered()
 
-    def release(self) -> None:
-        """On an accelerator: the caller's stream waits for the gather and holds its buffers.
-
-        The batched input is a view of ``gathered``; any other is a tensor of its own,
-        which the caching allocator must not hand to the next copy-in before the
-        gather that reads it is done: held by the stream that waits for the gather.
-        """
-        gathered = self.gathered
-        if gathered is not None and self.streams is not None and self.event is not None:
-            held = () if self.batched or self.flat is None else (self.flat,)
-            self.streams.copy_out_after(self.event, gathered, *held)
+    def buffers(self) -> tuple[Tensor, ...]:
+        """The gather's buffers: its output, and its input where that is not a view of it."""
+        if self.gathered is None:
+            return ()
+        if self.batched or self.flat is None:
+            return (self.gathered,)
+        return (self.gathered, self.flat)
 
     def finish(self) -> None:
-        self.release()
+        if self.streams is not None and self.event is not None:
+            self.streams.copy_out_after(self.event)
         gathered = self.gathered
         if gathered is None:
             pass
@@ -337,6 +341,8 @@ def _reduce_scatter_one_dtype(
     streams: CommStreams | None,
 ) -> torch.Event | None:
     world = reduction.group.size()
+    if streams is not None:
+        streams.before_reduce_input()
     if _copies.batched(parameters) and not any(isinstance(grad, DTensor) for grad in grads):
         numel = sum(parameter.padded_shard_numel for parameter in parameters)
         flat = _copies.gradient_input(grads, dtype, world, numel)
@@ -352,7 +358,7 @@ def _reduce_scatter_one_dtype(
     if streams is None:
         _reduce(parameters, flat, numel, dtype, reduction, streams=None)
         return None
-    with streams.reducing(flat):
+    with streams.reducing():
         last = _reduce(parameters, flat, numel, dtype, reduction, streams=streams)
         assert last is not None  # with streams, it ends on one of them
         return streams.reduced(last)
@@ -393,7 +399,10 @@ def _reduce(
     else:  # FSDP2's PREMUL_SUM(1 / factor)
         reduced = torch.empty(numel, dtype=dtype, device=flat.device)
         _torch.reduce_scatter_sum(reduced, flat.mul_(1 / divide_factor), group)
-    last = None if streams is None else streams.reduce_scatter
+    last = None
+    if streams is not None:
+        streams.reduce_scattered(flat)
+        last = streams.reduce_scatter
     replicate_group, deferred = reduction.replicate_group, reduction.deferred
     if replicate_group is not None:
         if not reduction.all_reduce:

@@ -164,22 +164,26 @@ class ExtendedGather(PendingGather):
     def discard(self) -> None:
         """Wait, and drop the result; on an accelerator, as ``PendingGather.discard``."""
         self.wait()
-        self._release()
-
-    def _release(self) -> None:
-        """On an accelerator: the caller's stream waits for the gather and holds both buffers.
-
-        The input is a tensor of its own, read by the all-gather stream: held too.
-        """
         ordered, self._ordered = self._ordered, None
         if ordered is not None:
             streams, event = ordered
-            streams.copy_out_after(event, self._extended[1], self._flat)
+            streams.drop_gather(event)
 
-    def finish(self) -> None:
-        """Wait, copy each output into place, and make or refill the unsharded parameters."""
+    def finish(self, *, keep: bool = False) -> None:
+        """Wait, copy each output into place, and make or refill the unsharded parameters.
+
+        On an accelerator, as ``PendingGather.finish``: the copy-out waits for the
+        gather, and its two buffers (the input is a tensor of its own) go after it.
+        """
         self.wait()
-        self._release()
+        ordered, self._ordered = self._ordered, None
+        if ordered is not None:
+            ordered[0].copy_out_after(ordered[1])
+        self._copy_out()
+        if ordered is not None:
+            ordered[0].copied_out((self._extended[1], self._flat), keep=keep)
+
+    def _copy_out(self) -> None:
         parameters, gathered, sizes, world = self._extended
         pieces = iter(torch.split(gathered.view(world, -1), sizes, dim=1))
         with torch.no_grad():

@@ -116,6 +116,7 @@ class Root:
             for group in self.groups:  # set_post_optim_event on any module under the root
                 if group.post_optim_event is not None:
                     streams.post_optim_event, group.post_optim_event = group.post_optim_event, None
+            streams.release_kept_gather()  # a forward that raised before its end
             streams.start_iteration()
         for group in self.groups:
             if group.pending is None or not group.pending.requested:  # keep unshard(async_op)
@@ -297,13 +298,15 @@ class ParamGroup:
         is still on the meta device.
         """
         pending, self.pending = self.pending, None
+        # As FSDP2's: a forward gather's buffers outlive its copy-out (``copied_out``).
+        keep = self.phase is Phase.FORWARD
         if pending is not None:
-            pending.finish()
+            pending.finish(keep=keep)
             self.unsharded = True
         elif not self.unsharded:
             self.check_materialized()
             in_pass = self.phase in {Phase.FORWARD, Phase.PRE_BACKWARD}
-            self._start_gather(async_op=False, on_streams=in_pass).finish()
+            self._start_gather(async_op=False, on_streams=in_pass).finish(keep=keep)
             self.unsharded = True
         else:
             self.follow_cast()

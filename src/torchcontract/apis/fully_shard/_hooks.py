@@ -141,6 +141,8 @@ class ForwardHooks:
                     if member is not group and member.to_run_forward:
                         member.to_run_forward.clear()
                         _end_forward(member, output)
+                if root.streams is not None:  # FSDP2's root post-forward frees the last gather
+                    root.streams.release_kept_gather()
         return output if policy is not None and policy.output_dtype is not None else None
 
 

@@ -8,10 +8,17 @@ streams of its own once they wait for the compute stream, and the end of backwar
 waits for the event recorded after the last reduction. So the communication of one
 layer overlaps the compute of another in both directions.
 
-Memory crosses streams with ``record_stream``: the all-gather's output (allocated on
-the copy-in stream) is recorded on the compute stream that copies out of it, and the
-reduce-scatter's input (allocated on the compute stream) on the stream that sends it;
-the caching allocator then reuses neither before those streams are past them.
+Memory crosses streams as in FSDP2, by holding buffers until the stream that
+allocated them is ordered after every use, then freeing them, so the caching
+allocator reuses them in stream order, however far the CPU runs ahead: a gather's
+buffers (allocated on the copy-in stream) until the copy-in and all-gather streams
+wait for the event after their copy-out, one forward gather's kept until the next
+copy-out (FSDP2's ``all_gather_state``); a reduction's input (allocated on the
+compute stream) until the compute stream waits for its reduce-scatter, before the
+next input is allocated (FSDP2's ``reduce_scatter_states``, one in flight). Only
+what another stream reads after the owner is done with it is recorded on that stream
+(``record_stream``): what a post-forward reshard kept, the reduced shards under
+HSDP's all-reduce and the all-reduce hook.
 
 On the CPU (gloo) there is no stream: ``streams_for`` gives None and every
 collective runs on the caller's thread, as before. ``StreamBackend`` is what this
@@ -95,6 +102,13 @@ class CommStreams:
         self.reduce_scatter = backend.new_stream(-1)
         self.all_reduce = backend.new_stream(0)
         self.post_optim_event: torch.Event | None = None
+        # FSDP2's all_gather_state: a forward gather's buffers, kept after their copy-out
+        # until the gather streams wait for its event (the next forward copy-out).
+        self._kept_gather: tuple[torch.Event, tuple[Tensor, ...]] | None = None
+        # FSDP2's reduce_scatter_states: the reductions' inputs, each with the event after
+        # its reduce-scatter, oldest first; at most ``max_reduce_inputs`` in flight.
+        self._reduce_inputs: list[tuple[torch.Event, Tensor]] = []
+        self.max_reduce_inputs = 1
 
     def start_iteration(self) -> None:
         """At the root's forward: the copy-in waits for the optimizer step (its event, if set).
@@ -143,23 +157,64 @@ class CommStreams:
         """The event the copy-out waits for: recorded on the all-gather stream."""
         return self.backend.record_event(self.all_gather)
 
-    def copy_out_after(self, event: torch.Event, *tensors: Tensor) -> None:
-        """Before the copy-out: the compute stream waits for the gather, and holds ``tensors``.
+    def copy_out_after(self, event: torch.Event) -> None:
+        """Before the copy-out: the compute stream waits for the gather's ``event``."""
+        self.backend.wait_event(self.backend.current_stream(), event)
 
-        ``tensors``: the gather's output, and its input where that is not a view of it;
-        their memory is reused only once the compute stream, and so the gather, is past them.
+    def copied_out(self, buffers: Iterable[Tensor], *, keep: bool) -> None:
+        """After a copy-out from ``buffers``: when the gather streams may reuse their memory.
+
+        As FSDP2's ``wait_for_unshard``: the copy-in and all-gather streams wait for the
+        event recorded now, then the buffers are freed. ``keep`` (a forward's gather):
+        they are kept, and the wait put off, until the next forward copy-out or the end
+        of the root's forward (``release_kept_gather``), so that this copy-out overlaps
+        the next all-gather; the kept ones before them go then.
+        """
+        event = self.backend.record_event(self.backend.current_stream())
+        if keep:
+            self.release_kept_gather()
+            self._kept_gather = (event, tuple(buffers))
+        else:
+            self._gather_streams_wait(event)
+
+    def release_kept_gather(self) -> None:
+        """Free a forward gather's kept buffers: the gather streams wait for their copy-out."""
+        kept, self._kept_gather = self._kept_gather, None
+        if kept is not None:
+            self._gather_streams_wait(kept[0])
+
+    def drop_gather(self, event: torch.Event) -> None:
+        """A gather dropped unused: its buffers go once the gather streams wait for ``event``.
+
+        ``event``: the all-gather stream's, after the collective that writes them.
+        """
+        self._gather_streams_wait(event)
+
+    def _gather_streams_wait(self, event: torch.Event) -> None:
+        self.backend.wait_event(self.copy_in, event)
+        self.backend.wait_event(self.all_gather, event)
+
+    def before_reduce_input(self) -> None:
+        """Before a reduction's input is allocated on the compute stream: free the oldest.
+
+        As FSDP2's ``post_backward``: while ``max_reduce_inputs`` are in flight, the
+        compute stream waits for the oldest one's reduce-scatter, and its input is freed
+        (reused by the compute stream only after that reduce-scatter).
         """
         current = self.backend.current_stream()
-        self.backend.wait_event(current, event)
-        for tensor in tensors:
-            self.backend.record_stream(tensor, current)
+        while len(self._reduce_inputs) >= self.max_reduce_inputs:
+            event, _ = self._reduce_inputs.pop(0)
+            self.backend.wait_event(current, event)
+
+    def reduce_scattered(self, flat: Tensor) -> None:
+        """Right after the reduce-scatter of ``flat``, on its stream: hold ``flat`` until then."""
+        event = self.backend.record_event(self.backend.current_stream())
+        self._reduce_inputs.append((event, flat))
 
     @contextmanager
-    def reducing(self, flat: Tensor) -> Generator[None]:
-        """The reduce-scatter of ``flat`` (copied in on the compute stream): on its stream."""
-        current = self.backend.current_stream()
-        self.backend.wait_stream(self.reduce_scatter, current)
-        self.backend.record_stream(flat, self.reduce_scatter)
+    def reducing(self) -> Generator[None]:
+        """A reduction (its input copied in on the compute stream): on the reduce-scatter stream."""
+        self.backend.wait_stream(self.reduce_scatter, self.backend.current_stream())
         with self.backend.use(self.reduce_scatter):
             yield
 
@@ -196,9 +251,16 @@ class CommStreams:
         return self.backend.record_event(last)
 
     def finish_backward(self, events: list[torch.Event]) -> None:
-        """At the end of backward: the compute stream waits for every group's reduction."""
+        """At the end of backward: the compute stream waits for every group's reduction.
+
+        The reductions' inputs still held are freed then: their reduce-scatters are done
+        before the compute stream goes on.
+        """
         current = self.backend.current_stream()
         for event in events:
+            self.backend.wait_event(current, event)
+        inputs, self._reduce_inputs = self._reduce_inputs, []
+        for event, _ in inputs:
             self.backend.wait_event(current, event)
 
 
