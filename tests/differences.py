@@ -106,7 +106,6 @@ ACCELERATOR_METHODS: Final = (
     "set_post_optim_event",
     "set_allocate_memory_from_process_group_for_comm",
     "set_symm_mem_for_comm",
-    "set_reduce_scatter_max_input_buffers",
     "set_separate_reduce_scatter_group",
 )
 
@@ -155,7 +154,7 @@ DIFFERENCES: Final = (
         "fully_shard",
         "`set_post_optim_event` on a CPU mesh (taken on an accelerator's), "
         "`set_allocate_memory_from_process_group_for_comm`, `set_symm_mem_for_comm`, "
-        "`set_reduce_scatter_max_input_buffers`, `set_separate_reduce_scatter_group`",
+        "`set_separate_reduce_scatter_group`",
         "refused",
         "configure accelerator collectives",
         "Only an accelerator's collectives use what they configure. Leave the calls out.",

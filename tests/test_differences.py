@@ -79,7 +79,6 @@ _ACCELERATOR_ARGUMENTS: dict[str, tuple[object, ...]] = {
     "set_post_optim_event": (None,),
     "set_allocate_memory_from_process_group_for_comm": (True,),
     "set_symm_mem_for_comm": (),
-    "set_reduce_scatter_max_input_buffers": (2,),
     "set_separate_reduce_scatter_group": (),
 }
 

@@ -41,9 +41,6 @@ ACCELERATOR_ONLY: dict[str, Callable[[Any], object]] = {
         module
     ).set_allocate_memory_from_process_group_for_comm(True),
     "set_symm_mem_for_comm": lambda module: fsdp(module).set_symm_mem_for_comm(),
-    "set_reduce_scatter_max_input_buffers": lambda module: fsdp(
-        module
-    ).set_reduce_scatter_max_input_buffers(2),
     "set_separate_reduce_scatter_group": lambda module: fsdp(
         module
     ).set_separate_reduce_scatter_group(),
@@ -134,6 +131,38 @@ def test_accelerator_only_methods_are_refused_naming_them(mesh: DeviceMesh, meth
         NotImplementedError, match=rf"fully_shard on Net: {method} is not supported"
     ):
         ACCELERATOR_ONLY[method](model)
+
+
+def test_reduce_scatter_max_input_buffers_is_recorded_recursively(mesh: DeviceMesh) -> None:
+    model = sharded(mesh)
+    fsdp(model).set_reduce_scatter_max_input_buffers(3)
+    assert fully_shard.state(model).reduce_scatter_max_input_buffers == 3
+    assert fully_shard.state(model.first).reduce_scatter_max_input_buffers == 3
+    fsdp(model).set_reduce_scatter_max_input_buffers(2, recurse=False)
+    assert fully_shard.state(model).reduce_scatter_max_input_buffers == 2
+    assert fully_shard.state(model.first).reduce_scatter_max_input_buffers == 3
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        (True, TypeError, "takes an int, got bool"),
+        (2.0, TypeError, "takes an int, got float"),
+        (0, ValueError, "takes a count of at least 1, got 0"),
+    ],
+)
+def test_reduce_scatter_max_input_buffers_is_checked_as_fsdp2(
+    mesh: DeviceMesh, value: object, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(
+        error, match=rf"fully_shard on Net: set_reduce_scatter_max_input_buffers {message};"
+    ):
+        fsdp(sharded(mesh)).set_reduce_scatter_max_input_buffers(value)  # type: ignore[arg-type]
+    assert fully_shard.state(sharded(mesh)).reduce_scatter_max_input_buffers == 1
+    if _compat.REFERENCE_FULLY_SHARD_ON_CPU:
+        reference = torch_fully_shard(Net(), mesh=mesh)
+        with pytest.raises(error):
+            reference.set_reduce_scatter_max_input_buffers(value)  # type: ignore[arg-type]
 
 
 def test_an_all_reduce_hook_on_a_stream_is_recorded_without_hsdp(mesh: DeviceMesh) -> None:

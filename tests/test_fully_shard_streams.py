@@ -124,7 +124,9 @@ def _after(log: list[str], start: int, prefix: str, suffix: str) -> tuple[int, s
     return found[0], log[found[0]]
 
 
-def _assert_freed_in_stream_order(log: list[str], *, in_flight: int = 3) -> None:
+def _assert_freed_in_stream_order(
+    log: list[str], *, in_flight: int = 3, inputs: int = 1
+) -> dict[str, int]:
     """Each watched buffer is freed only after its allocating stream waited for its last use.
 
     A gather's output (allocated on the copy-in stream): once the copy-in and all-gather
@@ -132,17 +134,20 @@ def _assert_freed_in_stream_order(log: list[str], *, in_flight: int = 3) -> None
     dropped unused, after its collective). A reduction's input (allocated on the compute
     stream): once the compute stream waited for the event after its reduce-scatter. At
     most ``in_flight`` gathers' outputs (the one kept after its copy-out, the one in use
-    and a prefetch) and one reduction's input are alive at once, as FSDP2's.
+    and a prefetch) and ``inputs`` reductions' inputs are alive at once, as FSDP2's.
+    Returns the most of each alive at once.
     """
     alive: dict[str, int] = {"gathered": 0, "reduce input": 0}
+    most = dict(alive)
     for index, entry in enumerate(log):
         if not entry.startswith(("alloc ", "free ")):
             continue
         action, name = entry.split(" ", 1)
         kind = name.rsplit(" ", 1)[0]
         alive[kind] += 1 if action == "alloc" else -1
+        most[kind] = max(most[kind], alive[kind])
         assert alive["gathered"] <= in_flight, log[: index + 1]
-        assert alive["reduce input"] <= 1, log[: index + 1]
+        assert alive["reduce input"] <= inputs, log[: index + 1]
         if action == "alloc":
             continue
         start = log.index(f"alloc {name}")
@@ -158,12 +163,12 @@ def _assert_freed_in_stream_order(log: list[str], *, in_flight: int = 3) -> None
             gathered = copied.removeprefix("record ")
         for stream in ("copy_in", "all_gather"):
             assert f"{stream} waits {gathered}" in log[position:index], (name, stream)
+    return most
 
 
-def test_memory_is_freed_in_stream_order_over_steps_with_prefetch(
-    backend: FakeBackend,
-) -> None:
-    """Three steps of four blocks, each prefetching the next in forward and backward."""
+def _four_blocks(backend: FakeBackend, *, max_inputs: int | None = None) -> list[str]:
+    """The log of three steps of four blocks, each prefetching the next in forward and
+    backward; ``max_inputs``: ``set_reduce_scatter_max_input_buffers`` on the root."""
     with fake_mesh((2,)):
         torch.manual_seed(0)
         model: Any = nn.Sequential(*(nn.Linear(4, 4) for _ in range(4)))
@@ -173,11 +178,36 @@ def test_memory_is_freed_in_stream_order_over_steps_with_prefetch(
         for current, following in itertools.pairwise(model):
             current.set_modules_to_forward_prefetch([following])
             following.set_modules_to_backward_prefetch([current])
+        if max_inputs is not None:
+            model.set_reduce_scatter_max_input_buffers(max_inputs)
         backend.log.clear()
         for _ in range(3):
             model(torch.ones(2, 4)).sum().backward()
-    log = backend.log
-    _assert_freed_in_stream_order(log)
+    return list(backend.log)
+
+
+def test_reduce_scatter_max_input_buffers_keeps_that_many_in_flight(
+    backend: FakeBackend,
+) -> None:
+    """Two: each backward's first two inputs are allocated without a wait, then each
+    allocation waits for the oldest reduce-scatter only."""
+    log = _four_blocks(backend, max_inputs=2)
+    assert _assert_freed_in_stream_order(log, inputs=2)["reduce input"] == 2
+    second = log.index("alloc reduce input 2")
+    assert not any(entry.endswith("@reduce_scatter") for entry in log[second - 2 : second])
+    first_event = _after(log, log.index("alloc reduce input 1"), "record event", "@reduce_scatter")
+    third = log.index("alloc reduce input 3")
+    assert log[third - 2 : third] == [
+        f"compute waits {first_event[1].removeprefix('record ')}",
+        "free reduce input 1",
+    ]
+
+
+def test_memory_is_freed_in_stream_order_over_steps_with_prefetch(
+    backend: FakeBackend,
+) -> None:
+    log = _four_blocks(backend)
+    assert _assert_freed_in_stream_order(log)["reduce input"] == 1
     # 4 gathers in each forward and backward, 4 reductions in each backward: all freed by
     # the end of the last backward.
     assert sum(entry.startswith("alloc gathered") for entry in log) == 24

@@ -294,10 +294,33 @@ class FullyShardModule(FSDPModule):
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
-    ) -> NoReturn:
-        """Refused: reduce-scatter buffers in flight on a separate stream."""
-        _accelerator_only(
-            self, "set_reduce_scatter_max_input_buffers", "reduce-scatter buffers in flight"
+    ) -> None:
+        """How many reduce-scatter inputs may be in flight at once on an accelerator (1).
+
+        As FSDP2's: before a reduction's input is allocated, the compute stream waits
+        for the oldest reduce-scatter while this many are in flight. More trades peak
+        memory for not stalling the compute stream behind a slow reduce-scatter. The
+        largest value set under a root counts for all its groups. No effect on a CPU
+        mesh, whose reductions are done when they return.
+
+        Raises:
+            TypeError: ``max_input_buffers`` is not an int (a bool included).
+            ValueError: It is less than 1.
+        """
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"fully_shard on {_label(self)}: set_reduce_scatter_max_input_buffers takes an "
+                f"int, got {type(max_input_buffers).__qualname__}; pass a count such as 2"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(
+                f"fully_shard on {_label(self)}: set_reduce_scatter_max_input_buffers takes a "
+                f"count of at least 1, got {max_input_buffers}; 1 is the default"
+            )
+        _update(
+            self,
+            recurse,
+            lambda record: attrs.evolve(record, reduce_scatter_max_input_buffers=max_input_buffers),
         )
 
     def set_separate_reduce_scatter_group(
@@ -448,7 +471,6 @@ def _label(module: object) -> str:
 
 def _accelerator_only(module: object, method: str, what: str) -> NoReturn:
     raise NotImplementedError(
-        f"fully_shard on {_label(module)}: {method} is not supported: it "
-        f"configures {what}, which only an accelerator's collectives use; these collectives run "
-        "synchronously on the caller's stream. Remove the call"
+        f"fully_shard on {_label(module)}: {method} is not supported: it configures {what}, "
+        "which fully_shard does not have on this mesh; remove the call"
     )

@@ -55,6 +55,7 @@ class FullyShardState:
     gradient_divide_factor: float | None = None
     force_sum_reduction: bool = False
     reduce_scatter_unused_params: bool = False
+    reduce_scatter_max_input_buffers: int = 1
     is_last_backward: bool = True
     all_reduce_hook: Callable[[Tensor], None] | None = None
     all_reduce_hook_stream: object | None = None  # FSDP2's: a CUDA stream (any device's here)
