@@ -22,7 +22,7 @@ from torch import Tensor
 from torchcontract.apis.fully_shard import _hooks
 from torchcontract.apis.fully_shard._streams import CommStreams
 
-__all__ = ["FakeBackend", "use_fake_streams"]
+__all__ = ["FakeBackend", "assert_waits_for_the_reshard", "use_fake_streams"]
 
 
 class FakeBackend:
@@ -76,3 +76,13 @@ def use_fake_streams(monkeypatch: pytest.MonkeyPatch) -> FakeBackend:
     fake = FakeBackend()
     monkeypatch.setattr(_hooks, "streams_for", lambda device_type: CommStreams(fake))
     return fake
+
+
+def assert_waits_for_the_reshard(log: list[str], gather: int, backward: int) -> None:
+    """Before the copy-in entered at ``log[gather]``, both gather streams wait for an event
+    recorded on the compute stream before ``log[backward]`` (at the post-forward reshard),
+    not for the compute stream itself (FSDP2's ``_reshard_after_forward_event``)."""
+    event = log[gather - 1].removeprefix("all_gather waits ")
+    assert log[gather - 2] == f"copy_in waits {event}"
+    assert event.endswith("@compute")
+    assert log.index(f"record {event}") < backward

@@ -179,6 +179,9 @@ class ParamGroup:
         # which backward gathers what each rank kept after forward (``post_forward``).
         self.post_forward_group = post_forward_group
         self.post_forward = False
+        # On an accelerator: the event after the post-forward reshard, which the gather of
+        # what it kept waits for (FSDP2's ``_reshard_after_forward_event``).
+        self.resharded_event: torch.Event | None = None
         self.reshard_after_forward = reshard_after_forward
         self.reduce_dtype = reduce_dtype
         self.unsharded = False
@@ -331,8 +334,9 @@ class ParamGroup:
         else:
             group, post_forward = self.process_group, False
         streams = self.streams if on_streams else None
-        if streams is not None and post_forward:
-            streams.copy_in_waits_compute()
+        resharded, self.resharded_event = self.resharded_event, None
+        if streams is not None and post_forward and resharded is not None:
+            streams.gather_after_reshard(resharded)
         if self.extended:  # a shard defines FSDP2's all-gather hooks
             return start_extended_gather(
                 self.parameters,
@@ -434,6 +438,8 @@ class ParamGroup:
         for parameter in self.parameters:
             parameter.reshard_post_forward()
         self.unsharded, self.post_forward = False, True
+        if self.streams is not None:
+            self.resharded_event = self.streams.resharded_after_forward()
 
     def follow_cast(self) -> None:
         """Give the shards the dtype the model was cast to while unsharded, if it was."""

@@ -126,12 +126,18 @@ class CommStreams:
             self.backend.wait_stream(self.copy_in, current)
             self.backend.wait_stream(self.all_gather, current)
 
-    def copy_in_waits_compute(self) -> None:
-        """Before a gather of what a post-forward reshard kept: written on the compute stream.
+    def resharded_after_forward(self) -> torch.Event:
+        """After a post-forward reshard on the compute stream: the event its gather waits for."""
+        return self.backend.record_event(self.backend.current_stream())
 
-        FSDP2's ``_reshard_after_forward_event``, waited for by the all-gather streams.
+    def gather_after_reshard(self, event: torch.Event) -> None:
+        """Before a gather of what a post-forward reshard kept (written on the compute stream).
+
+        FSDP2's ``_reshard_after_forward_event``: the gather streams wait for the
+        reshard only, not for the backward compute queued since, so the gather can
+        still run ahead of it.
         """
-        self.backend.wait_stream(self.copy_in, self.backend.current_stream())
+        self._gather_streams_wait(event)
 
     def hold_for_copy_in(self, tensors: Iterable[Tensor]) -> None:
         """Inputs handed to the copy-in that were written on the compute stream.
