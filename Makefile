@@ -79,8 +79,11 @@ GPU_NEEDS := $(if $(TORCHCONTRACT_PYTHON),,$(BIN)/.installed)
 GPU_TESTS := tests/distributed/test_cuda_parity.py tests/distributed/test_cuda_streams.py \
 	tests/distributed/test_cuda_overlap.py tests/distributed/test_replicate_mirror_world.py \
 	tests/distributed/test_gpu_guide_torchrun.py
+# pytest-timeout may be missing there: the run is bounded by `timeout` (8 minutes), and a
+# test hung for 2 minutes has every thread's stack printed (pytest's faulthandler).
 test-gpu: $(GPU_NEEDS)  ## the gpu-marked tests on one CUDA device (skipped without CUDA)
-	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m gpu -rs $(GPU_TESTS)
+	timeout -k 10 480 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m gpu -rs \
+		-o faulthandler_timeout=120 $(GPU_TESTS)
 
 bench-gpu: $(GPU_NEEDS)  ## fully_shard beside FSDP2 on one GPU; writes benchmarks/results/gpu.md
 	$(GPU_PYTHON) benchmarks/bench_gpu.py

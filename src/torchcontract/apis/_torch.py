@@ -44,6 +44,7 @@ __all__ = [
     "dtensor_like",
     "fork_rng",
     "get_device_states",
+    "host_values_on",
     "infer_device_type",
     "manual_seed",
     "nccl_version",
@@ -216,6 +217,18 @@ def object_collective_device(group: dist.ProcessGroup) -> torch.device:
         Callable[[dist.ProcessGroup], str], vars(dist.distributed_c10d)["_get_object_coll_device"]
     )(group)
     return torch.device(device_type)
+
+
+def host_values_on(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 1-D tensor of ``values`` on ``device``, copied there without the host waiting.
+
+    On an accelerator through pinned memory: a copy from ordinary host memory waits
+    for every kernel queued on the device first (``torch.tensor(..., device=...)``).
+    """
+    values_on_host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return values_on_host
+    return values_on_host.pin_memory().to(device, non_blocking=True)
 
 
 def to_bools(tensor: Tensor) -> list[bool]:

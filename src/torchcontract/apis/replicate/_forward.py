@@ -108,7 +108,8 @@ def after_forward(reducer: Reducer, module: nn.Module, output: object) -> None:
         # Tell the joined ranks whether buffers are broadcast before the next
         # forward, and whether a synchronizing backward follows (see _join).
         flags = [float(synchronizing), float(bool(tensors))]
-        _torch.all_reduce(torch.tensor(flags, device=reducer.device), reducer.group).wait()
+        on_device = _torch.host_values_on(flags, torch.float32, reducer.device)
+        _torch.all_reduce(on_device, reducer.group).wait()
     if tensors:
         armed = Armed(reducer)
         for tensor in tensors:

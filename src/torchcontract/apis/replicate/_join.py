@@ -47,8 +47,9 @@ class ReplicateJoinHook(JoinHook):
             broadcast_buffers(reducer, module, common_rank(reducer, False))
         flags = torch.zeros(2, device=reducer.device)
         _torch.all_reduce(flags, reducer.group).wait()
-        reducer.sync_buffers_next_forward = bool(flags[0] > 0)
-        if not bool(flags[1] > 0):
+        broadcasts, synchronizes = _torch.to_bools(flags > 0)  # one read
+        reducer.sync_buffers_next_forward = broadcasts
+        if not synchronizes:
             return
         reducer.shadow_backward(module)
 

@@ -444,6 +444,8 @@ class Reducer:
         if not self._tracks_used:
             return [True] * len(self._names)
         if self._flags_in_buckets:
+            if all(self._used):  # used here, so used: no read, which waits for the device
+                return [True] * len(self._names)
             return used_from_flags(self._buckets, results, len(self._names))
         return used_on_some_rank(self._used, self._group, self.device)
 

@@ -84,13 +84,10 @@ def used_from_flags(
 def used_flags(used: Sequence[bool], bucket: Sequence[int], like: Tensor) -> Tensor:
     """1.0 for each parameter of ``bucket`` in use, else 0.0: ``like``'s dtype and device.
 
-    On an accelerator the flags go through pinned memory, without waiting: a copy from
-    ordinary host memory would wait for every kernel queued on the device first.
+    Copied without the host waiting for the device (``host_values_on``).
     """
-    values = torch.tensor([1.0 if used[index] else 0.0 for index in bucket], dtype=like.dtype)
-    if like.device.type == "cpu":
-        return values
-    return values.pin_memory().to(like.device, non_blocking=True)
+    flags = [1.0 if used[index] else 0.0 for index in bucket]
+    return _torch.host_values_on(flags, like.dtype, like.device)
 
 
 def used_on_some_rank(
@@ -98,9 +95,13 @@ def used_on_some_rank(
 ) -> list[bool]:
     """By parameter, whether some rank of ``group`` used it: one all-reduce, as DDP's map.
 
-    On ``device``, the parameters' (DDP all-reduces its map on the device too).
+    On ``device``, the parameters' (DDP all-reduces its map on the device too). Every
+    rank all-reduces; one that used every parameter reads nothing back, as DDP's
+    ``finalize_bucket_dense``: a read waits for the device.
     """
-    local = torch.tensor([1 if was else 0 for was in used], dtype=torch.int32, device=device)
+    local = _torch.host_values_on([1 if was else 0 for was in used], torch.int32, device)
     if group.size() > 1:
         _torch.all_reduce(local, group).wait()
+    if all(used):
+        return [True] * len(used)
     return _torch.to_bools(local > 0)
