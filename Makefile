@@ -74,7 +74,7 @@ test-slow: $(BIN)/.installed  ## the slow tests: torchrun, torchft under HSDP, 8
 # python (python3 by default) with PYTHONPATH=src, needing only torch, attrs,
 # typing-extensions and pytest, and never create .venv; otherwise they run .venv's.
 TORCHCONTRACT_PYTHON ?= $(if $(wildcard $(VENV)),,python3)
-GPU_PYTHON := $(if $(TORCHCONTRACT_PYTHON),PYTHONPATH=src $(TORCHCONTRACT_PYTHON),$(BIN)/python)
+GPU_PYTHON := $(if $(TORCHCONTRACT_PYTHON),env PYTHONPATH=src $(TORCHCONTRACT_PYTHON),$(BIN)/python)
 GPU_NEEDS := $(if $(TORCHCONTRACT_PYTHON),,$(BIN)/.installed)
 GPU_TESTS := tests/distributed/test_cuda_parity.py tests/distributed/test_cuda_streams.py \
 	tests/distributed/test_cuda_overlap.py tests/distributed/test_replicate_mirror_world.py \
