@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from torchcontract.apis.fully_shard import _hooks
+from torchcontract.apis.fully_shard._sharding import ManagedParameter
 from torchcontract.apis.fully_shard._streams import CommStreams
 
 __all__ = ["FakeBackend", "assert_waits_for_the_reshard", "use_fake_streams"]
@@ -66,15 +67,25 @@ class FakeBackend:
         self.log.append(f"record_stream {stream}")
 
     def watch(self, tensor: Tensor, name: str) -> None:
-        """Log ``alloc <name>`` now and ``free <name>`` once ``tensor`` is freed."""
+        """Log ``alloc <name>`` now and ``free <name>`` once ``tensor``'s memory is freed.
+
+        The storage is watched, not the tensor: a view that outlives the tensor holds it.
+        """
         self.log.append(f"alloc {name}")
-        weakref.finalize(tensor, self.log.append, f"free {name}")
+        weakref.finalize(tensor.untyped_storage(), self.log.append, f"free {name}")
 
 
 def use_fake_streams(monkeypatch: pytest.MonkeyPatch) -> FakeBackend:
     """Give the roots fully_shard initializes from now on a logging ``FakeBackend``."""
     fake = FakeBackend()
     monkeypatch.setattr(_hooks, "streams_for", lambda device_type: CommStreams(fake))
+    reshard = ManagedParameter.reshard_post_forward
+
+    def logged_reshard(parameter: ManagedParameter) -> None:
+        reshard(parameter)
+        fake.log.append("reshard post-forward")
+
+    monkeypatch.setattr(ManagedParameter, "reshard_post_forward", logged_reshard)
     return fake
 
 
@@ -85,4 +96,6 @@ def assert_waits_for_the_reshard(log: list[str], gather: int, backward: int) -> 
     event = log[gather - 1].removeprefix("all_gather waits ")
     assert log[gather - 2] == f"copy_in waits {event}"
     assert event.endswith("@compute")
-    assert log.index(f"record {event}") < backward
+    recorded = log.index(f"record {event}")
+    assert recorded < backward
+    assert log[recorded - 1] == "reshard post-forward"  # after the writes it orders

@@ -16,6 +16,7 @@ buffer's allocation and freeing). The real streams run under
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -41,16 +42,29 @@ class Model(nn.Module):
 
 @pytest.fixture
 def backend(monkeypatch: pytest.MonkeyPatch) -> FakeBackend:
-    """The fake stream API; it also watches each batched gather's and reduction's buffer."""
+    """The fake stream API; it also watches each batched gather's and reduction's buffer,
+    and logs each store of reduced gradients with the watched input it reads, if any."""
     fake = use_fake_streams(monkeypatch)
     counts = {"gathered": 0, "reduce input": 0}
+    inputs: dict[int, str] = {}  # the storage of each reduction input alive, by address
 
     def watched(kind: str, tensor: Tensor) -> Tensor:
         counts[kind] += 1
-        fake.watch(tensor, f"{kind} {counts[kind]}")
+        name = f"{kind} {counts[kind]}"
+        fake.watch(tensor, name)
+        if kind == "reduce input":
+            address = tensor.untyped_storage().data_ptr()
+            inputs[address] = name
+            weakref.finalize(tensor.untyped_storage(), inputs.pop, address, None)
         return tensor
 
     copy_in, gradient_input = _copies.copy_in, _copies.gradient_input
+    shard_gradients = _copies.shard_gradients
+
+    def logged_shard_gradients(parameters: Any, reduced: Tensor) -> None:
+        read = inputs.get(reduced.untyped_storage().data_ptr(), "its own buffer")
+        fake.log.append(f"store from {read} on {fake.current_stream()}")
+        shard_gradients(parameters, reduced)
 
     def watched_copy_in(*args: Any) -> tuple[Tensor, Tensor]:
         flat, gathered = copy_in(*args)
@@ -61,6 +75,7 @@ def backend(monkeypatch: pytest.MonkeyPatch) -> FakeBackend:
 
     monkeypatch.setattr(_copies, "copy_in", watched_copy_in)
     monkeypatch.setattr(_copies, "gradient_input", watched_gradient_input)
+    monkeypatch.setattr(_copies, "shard_gradients", logged_shard_gradients)
     return fake
 
 
@@ -152,8 +167,10 @@ def _assert_freed_in_stream_order(
             continue
         start = log.index(f"alloc {name}")
         if kind == "reduce input":
-            _, event = _after(log, start, "record event", "@reduce_scatter")
+            recorded, event = _after(log, start, "record event", "@reduce_scatter")
             assert f"compute waits {event.removeprefix('record ')}" in log[start:index], name
+            # its last read on another stream comes before that event
+            assert not any(name in entry for entry in log[recorded:index]), name
             continue
         position, event = _after(log, start, "record event", "@all_gather")
         gathered = event.removeprefix("record ")
@@ -186,13 +203,61 @@ def _four_blocks(backend: FakeBackend, *, max_inputs: int | None = None) -> list
     return list(backend.log)
 
 
+def test_a_shard_group_of_one_stores_from_a_buffer_of_the_reduce_scatter_stream(
+    backend: FakeBackend,
+) -> None:
+    """As FSDP2's: the input (the compute stream's) is copied into the reduce-scatter stream's
+    buffer, whose views become the gradients: the input is done with at the event after."""
+    with fake_mesh((1,)):
+        model = _sharded()
+        backend.log.clear()
+        for _ in range(2):  # the second accumulates into the first's .grad
+            model(torch.ones(2, 4)).sum().backward()
+    log = backend.log
+    stores = [entry for entry in log if entry.startswith("store from")]
+    assert stores == ["store from its own buffer on reduce_scatter"] * 4
+    _assert_freed_in_stream_order(log)
+
+
+class TwoDtypes(nn.Module):
+    """A float32 and a float64 layer: one application reduces them in two collectives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.single = nn.Linear(4, 4)
+        self.wide = nn.Linear(4, 4).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return cast(Tensor, self.single(x)) + cast(Tensor, self.wide(x.double())).float()
+
+
+def test_a_reduction_of_two_dtypes_counts_as_one_in_flight(backend: FakeBackend) -> None:
+    """Its two inputs are allocated without the compute stream waiting between them (it
+    would wait for a reduce-scatter just queued); the next reduction frees both."""
+    with fake_mesh((2,)):
+        torch.manual_seed(0)
+        model: Any = nn.Sequential(TwoDtypes(), TwoDtypes())
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        log = _step(model, backend)
+    first, second = log.index("alloc reduce input 1"), log.index("alloc reduce input 2")
+    assert not any(entry.startswith("compute waits") for entry in log[first:second])
+    third = log.index("alloc reduce input 3")
+    assert log[third - 4 : third].count("free reduce input 1") == 1
+    assert log[third - 4 : third].count("free reduce input 2") == 1
+    most = _assert_freed_in_stream_order(log, in_flight=6, inputs=2)  # 2 buffers a gather
+    assert most["reduce input"] == 2
+
+
 def test_reduce_scatter_max_input_buffers_keeps_that_many_in_flight(
     backend: FakeBackend,
 ) -> None:
     """Two: each backward's first two inputs are allocated without a wait, then each
     allocation waits for the oldest reduce-scatter only."""
     log = _four_blocks(backend, max_inputs=2)
-    assert _assert_freed_in_stream_order(log, inputs=2)["reduce input"] == 2
+    most = _assert_freed_in_stream_order(log, in_flight=6, inputs=2)  # 2 buffers a gather
+    assert most["reduce input"] == 2
     second = log.index("alloc reduce input 2")
     assert not any(entry.endswith("@reduce_scatter") for entry in log[second - 2 : second])
     first_event = _after(log, log.index("alloc reduce input 1"), "record event", "@reduce_scatter")
@@ -350,12 +415,13 @@ def test_all_reduce_hook_on_its_stream_after_the_reduction(backend: FakeBackend)
         )
         log = _step(model, backend)
     hooked = _between(log, "hook_stream waits reduce_scatter", "leave reduce_scatter")
-    event = hooked[5].removeprefix("record ")
+    event = hooked[6].removeprefix("record ")
     assert hooked == [
         "hook_stream waits reduce_scatter",
         "record_stream hook_stream",
         "enter hook_stream",
         "hook",
+        "store from its own buffer on hook_stream",
         "leave hook_stream",
         f"record {event}",
         "leave reduce_scatter",
@@ -372,14 +438,15 @@ def test_all_reduce_hook_without_a_stream_runs_on_the_all_reduce_stream(
         model.second.set_all_reduce_hook(lambda output: backend.log.append("hook"))
         log = _step(model, backend)
     hooked = _between(log, "all_reduce waits reduce_scatter", "leave reduce_scatter")
-    assert hooked[:5] == [
+    assert hooked[:6] == [
         "all_reduce waits reduce_scatter",
         "record_stream all_reduce",
         "enter all_reduce",
         "hook",
+        "store from its own buffer on all_reduce",
         "leave all_reduce",
     ]
-    event = hooked[5].removeprefix("record ")
+    event = hooked[6].removeprefix("record ")
     assert event.endswith("@all_reduce")
     assert f"compute waits {event}" in log[-3:]
 

@@ -228,7 +228,11 @@ def host_values_on(values: Sequence[float], dtype: torch.dtype, device: torch.de
     values_on_host = torch.tensor(values, dtype=dtype)
     if device.type == "cpu":
         return values_on_host
-    return values_on_host.pin_memory().to(device, non_blocking=True)
+    try:
+        pinned = values_on_host.pin_memory()
+    except RuntimeError:  # a device without pinned host memory: a plain copy
+        return values_on_host.to(device)
+    return pinned.to(device, non_blocking=True)
 
 
 def to_bools(tensor: Tensor) -> list[bool]:
@@ -294,15 +298,45 @@ def all_gather_into_async(output: Tensor, input: Tensor, group: dist.ProcessGrou
     return work
 
 
-def averages_in_collectives(group: dist.ProcessGroup) -> bool:
-    """Whether ``group`` takes ``ReduceOp.AVG``, which FSDP2 passes: all but torch 2.6's gloo.
+_get_backend: Final = cast(Callable[[dist.ProcessGroup], object], dist.get_backend)
+
+#: The backends whose collectives take ``ReduceOp.AVG`` on every supported release (the
+#: accelerators' collective libraries, and PyTorch's fake group, which moves nothing).
+_AVERAGING_BACKENDS: Final = frozenset({"nccl", "xccl", "hccl", "fake"})
+
+
+def averages_in_collectives(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether ``group`` takes ``ReduceOp.AVG`` for tensors on ``device``, as FSDP2 passes it.
 
     NCCL averages inside the collective (its float average scales each input by
     ``1 / size``): one kernel fewer than a sum and a division, and FSDP2's rounding.
-    Gloo before torch 2.13 sums where asked to average in a reduce-scatter and refuses
-    in an all-reduce; there the sum is divided after it (gloo's own average since).
+    Gloo from torch 2.13 averages too (a sum, then a division); before, it sums where
+    asked to average in a reduce-scatter and refuses in an all-reduce. The backend is
+    the one serving ``device`` (a group of ``"cpu:gloo,cuda:nccl"`` is both); any other,
+    or one a group does not name (a group written in Python, MPI), sums, and the sum
+    is divided after.
     """
-    return _compat.GLOO_AVERAGES or "gloo" not in group.name()
+    name = _backend_name(group, device)
+    if "gloo" in name:
+        return _compat.GLOO_AVERAGES
+    return name in _AVERAGING_BACKENDS
+
+
+def _backend_name(group: dist.ProcessGroup, device: torch.device) -> str:
+    """The name of the backend serving ``device`` in ``group``, or its own; "" if neither."""
+    get_backend = cast(Callable[[torch.device], Any], group._get_backend)
+    try:
+        return str(get_backend(device).name())
+    except (RuntimeError, NotImplementedError, AttributeError, ValueError):
+        pass  # a group written in Python, or a backend torch 2.6 cannot look up by device
+    try:
+        return str(_get_backend(group))  # what it was made with, where c10d made it
+    except (RuntimeError, ValueError, TypeError):  # one c10d did not make
+        pass
+    try:
+        return group.name()
+    except (RuntimeError, NotImplementedError):
+        return ""
 
 
 def reduce_scatter_average(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:
@@ -312,7 +346,7 @@ def reduce_scatter_average(output: Tensor, input: Tensor, group: dist.ProcessGro
     ``ReduceOp.AVG`` where the group takes it (``averages_in_collectives``), else a
     sum and a division.
     """
-    if averages_in_collectives(group):
+    if averages_in_collectives(group, input.device):
         _reduce_scatter_single(output, input, op=dist.ReduceOp.AVG, group=group)
         return
     _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group)
@@ -321,7 +355,7 @@ def reduce_scatter_average(output: Tensor, input: Tensor, group: dist.ProcessGro
 
 def all_reduce_average(tensor: Tensor, group: dist.ProcessGroup) -> None:
     """Average ``tensor`` over ``group`` in place; wait. As ``reduce_scatter_average``."""
-    if averages_in_collectives(group):
+    if averages_in_collectives(group, tensor.device):
         _all_reduce(tensor, group=group, op=dist.ReduceOp.AVG)
         return
     _all_reduce(tensor, group=group)

@@ -300,6 +300,8 @@ def reduce_scatter(
         comm,
     )
     events: list[torch.Event] = []
+    if streams is not None:
+        streams.before_reduce_inputs()
     for same_dtype in _by_dtype(parameters, dtypes):
         event = _reduce_scatter_one_dtype(
             [parameters[index] for index in same_dtype],
@@ -341,8 +343,6 @@ def _reduce_scatter_one_dtype(
     streams: CommStreams | None,
 ) -> torch.Event | None:
     world = reduction.group.size()
-    if streams is not None:
-        streams.before_reduce_input()
     if _copies.batched(parameters) and not any(isinstance(grad, DTensor) for grad in grads):
         numel = sum(parameter.padded_shard_numel for parameter in parameters)
         flat = _copies.gradient_input(grads, dtype, world, numel)
@@ -386,10 +386,15 @@ def _reduce(
         flat.div_(divided.before)
     if comm is not None:
         reduced = _custom_reduce_scatter(comm, flat, group, divide_factor, divided)
-    elif world == 1:  # the flat input is this rank's alone: reduced in place
-        reduced = flat
-        if divide_factor is not None and divided.in_collectives:
-            reduced.div_(divide_factor)
+    elif world == 1:  # the flat input is this rank's alone
+        factor = divide_factor if divided.in_collectives else None
+        if streams is None:  # reduced in place
+            reduced = flat if factor is None else flat.div_(factor)
+        else:
+            # As FSDP2's: copied into a buffer of this stream, so the input (the compute
+            # stream's) is done with once the event after this copy is reached.
+            reduced = torch.empty_like(flat)
+            reduced.copy_(flat if factor is None else flat / factor)
     elif not divided.in_collectives:
         reduced = torch.empty(numel, dtype=dtype, device=flat.device)
         _torch.reduce_scatter_sum(reduced, flat, group)

@@ -119,8 +119,11 @@ class Root:
             streams.release_kept_gather()  # a forward that raised before its end
             streams.start_iteration()
             streams.max_reduce_inputs = max(
-                (group.record() or FullyShardState()).reduce_scatter_max_input_buffers
-                for group in self.groups
+                (
+                    (group.record() or FullyShardState()).reduce_scatter_max_input_buffers
+                    for group in self.groups
+                ),
+                default=1,
             )
         for group in self.groups:
             if group.pending is None or not group.pending.requested:  # keep unshard(async_op)

@@ -307,7 +307,8 @@ class FullyShardModule(FSDPModule):
             TypeError: ``max_input_buffers`` is not an int (a bool included).
             ValueError: It is less than 1.
         """
-        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+        given = cast(object, max_input_buffers)  # checked: callers are not all typed
+        if isinstance(given, bool) or not isinstance(given, int):
             raise TypeError(
                 f"fully_shard on {_label(self)}: set_reduce_scatter_max_input_buffers takes an "
                 f"int, got {type(max_input_buffers).__qualname__}; pass a count such as 2"

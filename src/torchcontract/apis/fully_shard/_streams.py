@@ -105,9 +105,10 @@ class CommStreams:
         # FSDP2's all_gather_state: a forward gather's buffers, kept after their copy-out
         # until the gather streams wait for its event (the next forward copy-out).
         self._kept_gather: tuple[torch.Event, tuple[Tensor, ...]] | None = None
-        # FSDP2's reduce_scatter_states: the reductions' inputs, each with the event after
-        # its reduce-scatter, oldest first; at most ``max_reduce_inputs`` in flight.
-        self._reduce_inputs: list[tuple[torch.Event, Tensor]] = []
+        # FSDP2's reduce_scatter_states: per group reduction, oldest first, its inputs (one
+        # a dtype), each with the event after its reduce-scatter; at most
+        # ``max_reduce_inputs`` reductions' inputs in flight.
+        self._reduce_inputs: list[list[tuple[torch.Event, Tensor]]] = []
         self.max_reduce_inputs = 1
 
     def start_iteration(self) -> None:
@@ -200,22 +201,26 @@ class CommStreams:
         self.backend.wait_event(self.copy_in, event)
         self.backend.wait_event(self.all_gather, event)
 
-    def before_reduce_input(self) -> None:
-        """Before a reduction's input is allocated on the compute stream: free the oldest.
+    def before_reduce_inputs(self) -> None:
+        """Before a group's reduction allocates its inputs on the compute stream: free the oldest.
 
-        As FSDP2's ``post_backward``: while ``max_reduce_inputs`` are in flight, the
-        compute stream waits for the oldest one's reduce-scatter, and its input is freed
-        (reused by the compute stream only after that reduce-scatter).
+        As FSDP2's ``post_backward``: while ``max_reduce_inputs`` reductions' inputs are
+        in flight, the compute stream waits for the oldest one's reduce-scatters, and its
+        inputs are freed (reused by the compute stream only after them).
         """
         current = self.backend.current_stream()
         while len(self._reduce_inputs) >= self.max_reduce_inputs:
-            event, _ = self._reduce_inputs.pop(0)
-            self.backend.wait_event(current, event)
+            for event, _ in self._reduce_inputs.pop(0):
+                self.backend.wait_event(current, event)
+        self._reduce_inputs.append([])
 
     def reduce_scattered(self, flat: Tensor) -> None:
-        """Right after the reduce-scatter of ``flat``, on its stream: hold ``flat`` until then."""
+        """Right after the reduce-scatter of ``flat``, on its stream: its last use of ``flat``.
+
+        ``flat`` is held until the compute stream waits for the event recorded now.
+        """
         event = self.backend.record_event(self.backend.current_stream())
-        self._reduce_inputs.append((event, flat))
+        self._reduce_inputs[-1].append((event, flat))
 
     @contextmanager
     def reducing(self) -> Generator[None]:
@@ -266,7 +271,7 @@ class CommStreams:
         for event in events:
             self.backend.wait_event(current, event)
         inputs, self._reduce_inputs = self._reduce_inputs, []
-        for event, _ in inputs:
+        for event, _ in (held for reduction in inputs for held in reduction):
             self.backend.wait_event(current, event)
 
 
