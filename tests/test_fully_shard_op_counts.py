@@ -22,21 +22,21 @@ import pytest
 import torch
 import torch.distributed as dist
 from fake_world import fake_mesh
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn import functional
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchcontract.apis import fully_shard
+from torchcontract.apis import _compat, fully_shard
 from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.demo import GPT, GPTConfig, synthetic_batch
 
 CONFIG = GPTConfig(dropout=0.0, layers=4)
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 FP16 = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
-CONFIGURATIONS = ("fp32", "bf16", "hsdp", "prefetch")
+CONFIGURATIONS = ("fp32", "bf16", "hsdp", "prefetch", "custom comms")
 #: Where FSDP2 sums: float16's range (divided before and after), and sums asked for.
 SUMMING = ("fp16", "force_sum")
 
@@ -91,6 +91,11 @@ def _sharded(library: str, configuration: str, mesh: DeviceMesh) -> GPT:
         keywords["mp_policy"] = BF16 if configuration == "bf16" else FP16
     for module in [*model.blocks, model]:
         apply(module, **keywords)
+    if configuration == "custom comms":
+        comms: list[Any] = [*model.blocks, model]
+        for module in comms:
+            module.set_custom_all_gather(_AllGather())
+            module.set_custom_reduce_scatter(_ReduceScatter())
     if configuration == "force_sum":
         sharded: list[Any] = [*model.blocks, model]
         for module in sharded:
@@ -101,6 +106,39 @@ def _sharded(library: str, configuration: str, mesh: DeviceMesh) -> GPT:
             current.set_modules_to_forward_prefetch([following])
             following.set_modules_to_backward_prefetch([current])
     return model
+
+
+class _AllGather:
+    """A custom all-gather (FSDP2's ``AllGather``) that does what the default one does."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: Tensor, input_tensor: Tensor, group: Any, async_op: bool = False
+    ) -> Any:
+        return _compat.all_gather_single(
+            output_tensor, input_tensor, group=group, async_op=async_op
+        )
+
+
+class _ReduceScatter:
+    """A custom reduce-scatter (FSDP2's ``ReduceScatter``) that does what the default one does."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: Tensor,
+        input_tensor: Tensor,
+        group: Any,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        return _compat.reduce_scatter_single(
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        )
 
 
 def ops_per_step(library: str, configuration: str, mesh: DeviceMesh) -> OpCounter:

@@ -157,14 +157,16 @@ def start_all_gather(
     for same_dtype in _by_dtype(parameters, [parameter.param_dtype for parameter in parameters]):
         chosen = [parameters[index] for index in same_dtype]
         dtype = chosen[0].param_dtype
-        batched = comm is None and not post_forward and _copies.batched(chosen)
+        # A custom comm's buffer takes the batched copies too, and a world of one calls no
+        # comm (the shards are copied straight in), as FSDP2's.
+        batched = not post_forward and _copies.batched(chosen)
         if batched and world == 1:
             _copies.copy_shards(chosen, dtype)
             parts.append(_Part(chosen, None, None, world, batched=True))
             continue
         with on_stream(streams.copying_in() if streams is not None else None):
             if batched:
-                flat, gathered = _copies.copy_in(chosen, dtype, world, group.rank())
+                flat, gathered = _copies.copy_in(chosen, dtype, world, group.rank(), comm)
             else:
                 inputs = [
                     parameter.post_forward_input() if post_forward else parameter.gather_input()
@@ -343,9 +345,11 @@ def _reduce_scatter_one_dtype(
     streams: CommStreams | None,
 ) -> torch.Event | None:
     world = reduction.group.size()
-    if _copies.batched(parameters) and not any(isinstance(grad, DTensor) for grad in grads):
+    # Whether ``flat`` came from the custom comm's allocator (the batched copy writes there).
+    staged = _copies.batched(parameters) and not any(isinstance(grad, DTensor) for grad in grads)
+    if staged:
         numel = sum(parameter.padded_shard_numel for parameter in parameters)
-        flat = _copies.gradient_input(grads, dtype, world, numel)
+        flat = _copies.gradient_input(grads, dtype, world, numel, reduction.comm)
     else:
         flat = torch.cat(
             [
@@ -356,10 +360,10 @@ def _reduce_scatter_one_dtype(
         ).reshape(-1)
     numel = flat.numel() // world
     if streams is None:
-        _reduce(parameters, flat, numel, dtype, reduction, streams=None)
+        _reduce(parameters, flat, numel, dtype, reduction, staged=staged, streams=None)
         return None
     with streams.reducing():
-        last = _reduce(parameters, flat, numel, dtype, reduction, streams=streams)
+        last = _reduce(parameters, flat, numel, dtype, reduction, staged=staged, streams=streams)
         assert last is not None  # with streams, it ends on one of them
         return streams.reduced(last)
 
@@ -371,9 +375,12 @@ def _reduce(
     dtype: torch.dtype,
     reduction: _Reduction,
     *,
+    staged: bool,
     streams: CommStreams | None,
 ) -> torch.Stream | None:
     """Reduce-scatter ``flat``, all-reduce over replicas, store the shards' gradients.
+
+    ``staged``: ``flat`` is a buffer of the custom comm's allocator, if there is one.
 
     On an accelerator (``streams``), called on the reduce-scatter stream; returned:
     the stream its last work ran on, whose event the end of backward waits for
@@ -385,7 +392,7 @@ def _reduce(
     if divided.before is not None:
         flat.div_(divided.before)
     if comm is not None:
-        reduced = _custom_reduce_scatter(comm, flat, group, divide_factor, divided)
+        reduced = _custom_reduce_scatter(comm, flat, group, divide_factor, divided, staged=staged)
     elif world == 1:  # the flat input is this rank's alone
         factor = divide_factor if divided.in_collectives else None
         if streams is None:  # reduced in place
@@ -464,27 +471,30 @@ def _custom_reduce_scatter(
     group: dist.ProcessGroup,
     divide_factor: float | None,
     divided: Division,
+    *,
+    staged: bool,
 ) -> Tensor:
     """Reduce-scatter ``flat`` through ``comm``, as FSDP2's ``foreach_reduce`` calls it.
 
-    Its buffers come from ``comm.allocate``; a shard group of one only copies (and
-    divides by the factor where the collectives would), as FSDP2's.
+    Its buffers come from ``comm.allocate``: ``flat`` already (``staged``), else it is
+    copied into one; a shard group of one only copies (and divides by the factor where
+    the collectives would), as FSDP2's.
     """
     world = group.size()
-    staged = _comms.allocate(comm, flat.numel(), flat.dtype, flat.device)
-    staged.copy_(flat)
+    if not staged:
+        flat = _comms.allocate(comm, flat.numel(), flat.dtype, flat.device).copy_(flat)
     reduced = _comms.allocate(comm, flat.numel() // world, flat.dtype, flat.device)
     if world == 1:
         unforced = divide_factor if divided.in_collectives else None
-        reduced.copy_(staged if unforced is None else staged.div(unforced))
+        reduced.copy_(flat if unforced is None else flat.div(unforced))
         return reduced
     op = dist.ReduceOp.SUM
     if divided.in_collectives:
         if divide_factor is None or divide_factor == world:
             op = dist.ReduceOp.AVG
         else:  # FSDP2's PREMUL_SUM(1 / factor), which gloo lacks: the same product, summed
-            staged.mul_(1 / divide_factor)
-    comm(output_tensor=reduced, input_tensor=staged, group=group, op=op)
+            flat.mul_(1 / divide_factor)
+    comm(output_tensor=reduced, input_tensor=flat, group=group, op=op)
     return reduced
 
 

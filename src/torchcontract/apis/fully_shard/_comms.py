@@ -67,7 +67,7 @@ def all_gather(
     *,
     async_op: bool,
 ) -> dist.Work | None:
-    """``output`` gets every rank's ``input``: through ``comm`` if given (always, as FSDP2 does).
+    """``output`` gets every rank's ``input``: through ``comm`` if given, as FSDP2's.
 
     Without ``comm``, one rank copies; else ``torch.distributed``'s all-gather. With
     ``async_op``, the handle to wait on, if the collective gave one.

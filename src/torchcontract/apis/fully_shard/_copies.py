@@ -24,6 +24,8 @@ from torch import Tensor
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from .. import _torch
+from . import _comms
+from ._comms import AllGatherComm, ReduceScatterComm
 from ._sharding import ManagedParameter
 
 __all__ = ["batched", "copy_in", "copy_out", "copy_shards", "gradient_input", "shard_gradients"]
@@ -55,11 +57,16 @@ def copy_shards(parameters: Sequence[ManagedParameter], dtype: torch.dtype) -> N
 
 
 def copy_in(
-    parameters: Sequence[ManagedParameter], dtype: torch.dtype, world: int, rank: int
+    parameters: Sequence[ManagedParameter],
+    dtype: torch.dtype,
+    world: int,
+    rank: int,
+    comm: AllGatherComm | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The all-gather's flat input, filled with the shards in ``dtype``, and its output buffer.
 
-    The input is this rank's slice of the output, as FSDP2's ``all_gather_copy_in``.
+    The input is this rank's slice of the output, as FSDP2's ``all_gather_copy_in``;
+    the output comes from ``comm``'s allocator if given (``set_custom_all_gather``).
     """
     sizes: list[int] = []
     sources: list[Tensor] = []
@@ -74,8 +81,7 @@ def copy_in(
         if padding:
             sizes.append(padding)
         total += parameter.padded_shard_numel
-    device = sources[0].device
-    gathered = torch.empty(world * total, dtype=dtype, device=device)
+    gathered = _comms.allocate(comm, world * total, dtype, sources[0].device)
     flat = gathered.narrow(0, rank * total, total) if world > 1 else gathered
     pieces = flat.split_with_sizes(sizes)
     with torch.no_grad():
@@ -97,14 +103,21 @@ def copy_out(parameters: Sequence[ManagedParameter], gathered: Tensor, world: in
         )
 
 
-def gradient_input(grads: Sequence[Tensor], dtype: torch.dtype, world: int, numel: int) -> Tensor:
+def gradient_input(
+    grads: Sequence[Tensor],
+    dtype: torch.dtype,
+    world: int,
+    numel: int,
+    comm: ReduceScatterComm | None = None,
+) -> Tensor:
     """The reduce-scatter's flat input: each rank's padded rows of every gradient, in ``dtype``.
 
-    ``numel``: the padded rows' elements of one rank, over all gradients.
+    ``numel``: the padded rows' elements of one rank, over all gradients. From
+    ``comm``'s allocator if given (``set_custom_reduce_scatter``), as FSDP2's.
     """
-    columns = torch.empty((world, numel), dtype=dtype, device=grads[0].device)
-    _torch.chunk_cat(grads, world, out=columns)
-    return columns.view(-1)
+    flat = _comms.allocate(comm, world * numel, dtype, grads[0].device)
+    _torch.chunk_cat(grads, world, out=flat.view(world, numel))
+    return flat
 
 
 def shard_gradients(parameters: Sequence[ManagedParameter], reduced: Tensor) -> None:
