@@ -8,7 +8,8 @@ fill the output as a collective would. A step with the spins costs more than one
 without by the communication left exposed. Issued from the compute stream, every spin
 would be exposed; on FSDP2's streams, most run while the compute stream computes. The
 test asserts that most of ours is hidden, and that ours exposes no more than FSDP2's
-(with a margin for timing noise). Without CUDA it is skipped.
+(with a margin for timing noise). Without CUDA that test is skipped; the comms run a step
+of both libraries on a fake CPU group instead, so a comm that does not fit them fails here.
 """
 
 from __future__ import annotations
@@ -20,17 +21,16 @@ from typing import Any, cast
 
 import pytest
 import torch
+from fake_world import fake_mesh
 from fully_shard_models import fake_cuda_mesh_of_two
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from torchcontract.apis import fully_shard
+from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 BLOCKS, WIDTH, BATCH = 6, 2048, 8192
 #: GPU clock cycles each collective spins: about half a millisecond at 2 GHz.
@@ -56,7 +56,8 @@ class SpinningAllGather(_Spin):
     ) -> None:
         if self.cycles:
             _spin(self.cycles)
-        output_tensor.view(-1, input_tensor.numel()).copy_(input_tensor.view(1, -1))
+        # The input is a slice of the output (both libraries' batched copy-in): a copy first.
+        output_tensor.view(-1, input_tensor.numel()).copy_(input_tensor.clone().view(1, -1))
 
 
 class SpinningReduceScatter(_Spin):
@@ -116,6 +117,29 @@ def _step_ms(model: nn.Module, inputs: Tensor) -> float:
     return _gpu_ms(lambda: steps(STEPS)) / STEPS
 
 
+@pytest.mark.skipif(
+    not REFERENCE_FULLY_SHARD_ON_CPU,
+    reason=f"PyTorch's fully_shard fails on CPU with torch {torch.__version__}",
+)
+@pytest.mark.parametrize("ours", [True, False], ids=["torchcontract", "torch"])
+def test_the_collectives_run_a_step_on_the_cpu(ours: bool) -> None:
+    """The CUDA test's comms, without spins, on a fake CPU group: they fit both libraries."""
+    with fake_mesh((2,)) as mesh:
+        torch.manual_seed(0)
+        blocks = [nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2)]
+        model: Any = nn.Sequential(*blocks)
+        shard: Any = fully_shard if ours else torch_fully_shard
+        for block in blocks:
+            sharded: Any = shard(block, mesh=mesh)
+            sharded.set_custom_all_gather(SpinningAllGather(0))
+            sharded.set_custom_reduce_scatter(SpinningReduceScatter(0))
+        shard(model, mesh=mesh)
+        for _ in range(2):
+            model(torch.randn(4, 8)).sum().backward()
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_most_communication_hides_behind_compute_as_in_fsdp2(
     fake_cuda_mesh: DeviceMesh,
 ) -> None:
