@@ -21,15 +21,16 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from custom_comms import PlainAllGather, PlainReduceScatter
 from fake_world import fake_mesh
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn import functional
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchcontract.apis import _compat, fully_shard
+from torchcontract.apis import fully_shard
 from torchcontract.apis._compat import REFERENCE_FULLY_SHARD_ON_CPU
 from torchcontract.demo import GPT, GPTConfig, synthetic_batch
 
@@ -94,8 +95,8 @@ def _sharded(library: str, configuration: str, mesh: DeviceMesh) -> GPT:
     if configuration == "custom comms":
         comms: list[Any] = [*model.blocks, model]
         for module in comms:
-            module.set_custom_all_gather(_AllGather())
-            module.set_custom_reduce_scatter(_ReduceScatter())
+            module.set_custom_all_gather(PlainAllGather())
+            module.set_custom_reduce_scatter(PlainReduceScatter())
     if configuration == "force_sum":
         sharded: list[Any] = [*model.blocks, model]
         for module in sharded:
@@ -106,39 +107,6 @@ def _sharded(library: str, configuration: str, mesh: DeviceMesh) -> GPT:
             current.set_modules_to_forward_prefetch([following])
             following.set_modules_to_backward_prefetch([current])
     return model
-
-
-class _AllGather:
-    """A custom all-gather (FSDP2's ``AllGather``) that does what the default one does."""
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(
-        self, output_tensor: Tensor, input_tensor: Tensor, group: Any, async_op: bool = False
-    ) -> Any:
-        return _compat.all_gather_single(
-            output_tensor, input_tensor, group=group, async_op=async_op
-        )
-
-
-class _ReduceScatter:
-    """A custom reduce-scatter (FSDP2's ``ReduceScatter``) that does what the default one does."""
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(
-        self,
-        output_tensor: Tensor,
-        input_tensor: Tensor,
-        group: Any,
-        op: Any,
-        async_op: bool = False,
-    ) -> Any:
-        return _compat.reduce_scatter_single(
-            output_tensor, input_tensor, op=op, group=group, async_op=async_op
-        )
 
 
 def ops_per_step(library: str, configuration: str, mesh: DeviceMesh) -> OpCounter:

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import gc
 import statistics
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import pytest
 import torch
+from custom_comms import Comm
 from fake_world import fake_mesh
 from fully_shard_models import fake_cuda_mesh_of_two
 from torch import Tensor, nn
@@ -40,14 +41,11 @@ STEPS, ROUNDS = 4, 5
 _spin = cast(Callable[[int], None], torch.cuda._sleep)
 
 
-class _Spin:
+class _Spin(Comm):
     """FSDP2's ``Comm``: buffers from ``torch.empty``, and a spin before each collective."""
 
     def __init__(self, cycles: int) -> None:
         self.cycles = cycles
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
 
 class SpinningAllGather(_Spin):

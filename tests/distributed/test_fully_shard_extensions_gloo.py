@@ -15,6 +15,7 @@ from typing import Any, cast
 import pytest
 import torch
 import torch.distributed as dist
+from custom_comms import PlainAllGather, PlainReduceScatter
 from extension_tensors import CALLS, BFloat16Gathered, ScaledInt8Weight, plain
 from fully_shard_models import MLP, needs_reference_fully_shard
 from fully_shard_recorder import Recorder
@@ -278,26 +279,20 @@ def _four_rank_job(rank: int, world: int) -> dict[str, Results]:
     return results
 
 
-class _CountingAllGather:
+class _CountingAllGather(PlainAllGather):
     def __init__(self) -> None:
         self.sizes: list[int] = []
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self, output_tensor: Tensor, input_tensor: Tensor, group: Any, async_op: bool = False
     ) -> Any:
         self.sizes.append(input_tensor.numel())
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group, async_op=async_op)
+        return super().__call__(output_tensor, input_tensor, group, async_op)
 
 
-class _CountingReduceScatter:
+class _CountingReduceScatter(PlainReduceScatter):
     def __init__(self) -> None:
         self.calls: list[tuple[int, str]] = []
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self,
@@ -308,7 +303,7 @@ class _CountingReduceScatter:
         async_op: bool = False,
     ) -> Any:
         self.calls.append((input_tensor.numel(), str(op)))
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op, group, async_op)
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
 
 def _custom_comms(api: str, rank: int) -> Results:
