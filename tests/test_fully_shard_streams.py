@@ -268,6 +268,22 @@ def test_reduce_scatter_max_input_buffers_keeps_that_many_in_flight(
     ]
 
 
+def test_reduce_scatter_max_input_buffers_is_read_at_the_first_forward(
+    backend: FakeBackend,
+) -> None:
+    """As FSDP2's lazy init: a value set after the root's first forward changes nothing."""
+    with fake_mesh((2,)):
+        torch.manual_seed(0)
+        model: Any = nn.Sequential(*(nn.Linear(4, 4) for _ in range(3)))
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        model(torch.ones(2, 4)).sum().backward()
+        model.set_reduce_scatter_max_input_buffers(2)
+        log = _step(model, backend)
+    assert _assert_freed_in_stream_order(log)["reduce input"] == 1
+
+
 def test_memory_is_freed_in_stream_order_over_steps_with_prefetch(
     backend: FakeBackend,
 ) -> None:

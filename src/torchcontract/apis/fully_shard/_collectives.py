@@ -393,15 +393,11 @@ def _reduce(
         flat.div_(divided.before)
     if comm is not None:
         reduced = _custom_reduce_scatter(comm, flat, group, divide_factor, divided, staged=staged)
-    elif world == 1:  # the flat input is this rank's alone
-        factor = divide_factor if divided.in_collectives else None
-        if streams is None:  # reduced in place
-            reduced = flat if factor is None else flat.div_(factor)
-        else:
-            # As FSDP2's: copied into a buffer of this stream, so the input (the compute
-            # stream's) is done with once the event after this copy is reached.
-            reduced = torch.empty_like(flat)
-            reduced.copy_(flat if factor is None else flat / factor)
+    elif world == 1:
+        # On an accelerator, as FSDP2's: into a buffer of this stream, so the input (the
+        # compute stream's) is done with once the event after this copy is reached.
+        into = None if streams is None else torch.empty_like(flat)
+        reduced = _alone(flat, divide_factor, divided, into)
     elif not divided.in_collectives:
         reduced = torch.empty(numel, dtype=dtype, device=flat.device)
         _torch.reduce_scatter_sum(reduced, flat, group)
@@ -485,9 +481,7 @@ def _custom_reduce_scatter(
         flat = _comms.allocate(comm, flat.numel(), flat.dtype, flat.device).copy_(flat)
     reduced = _comms.allocate(comm, flat.numel() // world, flat.dtype, flat.device)
     if world == 1:
-        unforced = divide_factor if divided.in_collectives else None
-        reduced.copy_(flat if unforced is None else flat.div(unforced))
-        return reduced
+        return _alone(flat, divide_factor, divided, reduced)
     op = dist.ReduceOp.SUM
     if divided.in_collectives:
         if divide_factor is None or divide_factor == world:
@@ -496,6 +490,17 @@ def _custom_reduce_scatter(
             flat.mul_(1 / divide_factor)
     comm(output_tensor=reduced, input_tensor=flat, group=group, op=op)
     return reduced
+
+
+def _alone(
+    flat: Tensor, divide_factor: float | None, divided: Division, into: Tensor | None
+) -> Tensor:
+    """A shard group of one's reduction: ``flat`` itself, divided by the factor where the
+    collectives would divide, in place, or copied ``into`` a buffer of its own."""
+    factor = divide_factor if divided.in_collectives else None
+    if into is None:
+        return flat if factor is None else flat.div_(factor)
+    return into.copy_(flat if factor is None else flat / factor)
 
 
 def _defer(

@@ -118,6 +118,7 @@ class Root:
                     streams.post_optim_event, group.post_optim_event = group.post_optim_event, None
             streams.release_kept_gather()  # a forward that raised before its end
             streams.start_iteration()
+        if streams is not None and not self.materialized:  # FSDP2's lazy init resolves it once
             streams.max_reduce_inputs = max(
                 (
                     (group.record() or FullyShardState()).reduce_scatter_max_input_buffers

@@ -257,7 +257,11 @@ class FullyShardModule(FSDPModule):
         """
         group = _group(self)
         if group.streams is None and group.device_type in {"cpu", "meta"}:
-            _accelerator_only(self, "set_post_optim_event", "an event on the all-gather streams")
+            _refused(
+                self,
+                "set_post_optim_event",
+                "it configures an event on the all-gather streams, which a CPU mesh does not have",
+            )
         group.post_optim_event = event
 
     def set_custom_all_gather(self, comm: AllGatherComm) -> None:
@@ -282,15 +286,17 @@ class FullyShardModule(FSDPModule):
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> NoReturn:
         """Refused: staging buffers from the process group's allocator (NCCL zero-copy)."""
-        _accelerator_only(
+        _refused(
             self,
             "set_allocate_memory_from_process_group_for_comm",
-            "the process group's own allocator for staging buffers",
+            "fully_shard does not implement staging buffers from the process group's allocator",
         )
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> NoReturn:
         """Refused: symmetric-memory staging buffers for NCCL all-gathers."""
-        _accelerator_only(self, "set_symm_mem_for_comm", "NCCL symmetric memory")
+        _refused(
+            self, "set_symm_mem_for_comm", "fully_shard does not implement NCCL symmetric memory"
+        )
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
@@ -300,8 +306,9 @@ class FullyShardModule(FSDPModule):
         As FSDP2's: before a reduction's input is allocated, the compute stream waits
         for the oldest reduce-scatter while this many are in flight. More trades peak
         memory for not stalling the compute stream behind a slow reduce-scatter. The
-        largest value set under a root counts for all its groups. No effect on a CPU
-        mesh, whose reductions are done when they return.
+        largest value set under a root counts for all its groups, read at the root's
+        first forward, as FSDP2's lazy init reads it. No effect on a CPU mesh, whose
+        reductions are done when they return.
 
         Raises:
             TypeError: ``max_input_buffers`` is not an int (a bool included).
@@ -328,10 +335,10 @@ class FullyShardModule(FSDPModule):
         self, enable: bool = True, *, recurse: bool = True
     ) -> NoReturn:
         """Refused: a second communicator to overlap reduce-scatter with all-gather."""
-        _accelerator_only(
+        _refused(
             self,
             "set_separate_reduce_scatter_group",
-            "a reduce-scatter overlapping the all-gather",
+            "fully_shard does not implement a second communicator for the reduce-scatter",
         )
 
     # ----------------------------------------------------------------- prefetching
@@ -470,8 +477,7 @@ def _label(module: object) -> str:
     return module_label(cast(nn.Module, module))
 
 
-def _accelerator_only(module: object, method: str, what: str) -> NoReturn:
+def _refused(module: object, method: str, why: str) -> NoReturn:
     raise NotImplementedError(
-        f"fully_shard on {_label(module)}: {method} is not supported: it configures {what}, "
-        "which fully_shard does not have on this mesh; remove the call"
+        f"fully_shard on {_label(module)}: {method} is not supported: {why}; remove the call"
     )
