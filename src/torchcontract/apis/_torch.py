@@ -22,6 +22,7 @@ from torch.utils import checkpoint as torch_checkpoint
 from torch.utils.hooks import RemovableHandle
 
 from . import _compat
+from ._let_go import Collective, hand_over
 
 __all__ = [
     "accelerator_type",
@@ -130,12 +131,32 @@ def outside_compile(function: Callable[_P, _R]) -> Callable[_P, _R]:
 #: ``swap_tensors(a, b)``: exchange two tensors' contents, keeping each Python object.
 swap_tensors: Final = cast(Callable[[Tensor, Tensor], None], torch.utils.swap_tensors)
 
-_all_reduce: Final = cast(Callable[..., dist.Work], dist.all_reduce)
+_all_reduce: Final = cast(Callable[..., dist.Work | None], dist.all_reduce)
 
 
-def all_reduce(tensor: Tensor, group: dist.ProcessGroup) -> dist.Work:
+def _start(
+    collective: Callable[..., dist.Work | None],
+    group: dist.ProcessGroup,
+    tensors: tuple[Tensor, ...],
+    **options: object,
+) -> Collective:
+    """Start ``collective(*tensors, group=group, **options)``; the handle ends it.
+
+    On gloo, through aliases that gloo's thread has let go of once ``wait()``
+    returns (``_let_go``): no tensor of these APIs is freed on that thread.
+    """
+    aliases = hand_over(group, *tensors)
+    work = collective(
+        *(tensors if aliases is None else aliases), group=group, async_op=True, **options
+    )
+    if work is None:
+        raise RuntimeError("torchcontract: an asynchronous collective returned no handle")
+    return Collective(work, aliases)
+
+
+def all_reduce(tensor: Tensor, group: dist.ProcessGroup) -> Collective:
     """Start a sum all-reduce of ``tensor`` in place over ``group``; wait on the handle."""
-    return _all_reduce(tensor, group=group, async_op=True)
+    return _start(_all_reduce, group, (tensor,))
 
 
 def disabled_join_config() -> _JoinConfig:
@@ -154,7 +175,7 @@ def nccl_version() -> tuple[int, ...]:
 
 def all_reduce_max(tensor: Tensor, group: dist.ProcessGroup) -> None:
     """Replace ``tensor`` in place by its largest value over ``group``, and wait for it."""
-    _all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    _start(_all_reduce, group, (tensor,), op=dist.ReduceOp.MAX).wait()
 
 
 def work_tensor(work: dist.Work) -> Tensor:
@@ -165,7 +186,7 @@ def work_tensor(work: dist.Work) -> Tensor:
 
 def all_reduce_blocking(tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
     """Reduce ``tensor`` in place over the default group with ``op``, and wait for it."""
-    _all_reduce(tensor, op=op)
+    _start(_all_reduce, cast(dist.ProcessGroup, dist.group.WORLD), (tensor,), op=op).wait()
 
 
 _barrier: Final = cast(Callable[[], object], dist.barrier)
@@ -186,7 +207,8 @@ def broadcast(tensor: Tensor, source: int, group: dist.ProcessGroup) -> None:
     options = dist.BroadcastOptions()
     options.rootRank = source
     options.rootTensor = 0
-    group.broadcast([tensor], options).wait()
+    aliases = hand_over(group, tensor)
+    Collective(group.broadcast(list(aliases or (tensor,)), options), aliases).wait()
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
@@ -287,15 +309,12 @@ _reduce_scatter_single: Final = _compat.reduce_scatter_single
 
 def all_gather_into(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:
     """Concatenate every rank's ``input`` (same size on all) into ``output``, by rank; wait."""
-    _all_gather_single(output, input, group=group)
+    _start(_all_gather_single, group, (output, input)).wait()
 
 
-def all_gather_into_async(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> dist.Work:
+def all_gather_into_async(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> Collective:
     """Start ``all_gather_into``; the handle's ``wait()`` completes it (gloo: on its own thread)."""
-    work = _all_gather_single(output, input, group=group, async_op=True)
-    if work is None:
-        raise RuntimeError("torchcontract: an async all-gather returned no handle")
-    return work
+    return _start(_all_gather_single, group, (output, input))
 
 
 _get_backend: Final = cast(Callable[[dist.ProcessGroup], object], dist.get_backend)
@@ -347,24 +366,24 @@ def reduce_scatter_average(output: Tensor, input: Tensor, group: dist.ProcessGro
     sum and a division.
     """
     if averages_in_collectives(group, input.device):
-        _reduce_scatter_single(output, input, op=dist.ReduceOp.AVG, group=group)
+        _start(_reduce_scatter_single, group, (output, input), op=dist.ReduceOp.AVG).wait()
         return
-    _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group)
+    _start(_reduce_scatter_single, group, (output, input), op=dist.ReduceOp.SUM).wait()
     output.div_(group.size())
 
 
 def all_reduce_average(tensor: Tensor, group: dist.ProcessGroup) -> None:
     """Average ``tensor`` over ``group`` in place; wait. As ``reduce_scatter_average``."""
     if averages_in_collectives(group, tensor.device):
-        _all_reduce(tensor, group=group, op=dist.ReduceOp.AVG)
+        _start(_all_reduce, group, (tensor,), op=dist.ReduceOp.AVG).wait()
         return
-    _all_reduce(tensor, group=group)
+    _start(_all_reduce, group, (tensor,)).wait()
     tensor.div_(group.size())
 
 
 def reduce_scatter_sum(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:
     """Sum ``input`` over ``group`` and keep this rank's slice in ``output``; wait."""
-    _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group)
+    _start(_reduce_scatter_single, group, (output, input), op=dist.ReduceOp.SUM).wait()
 
 
 def register_tensor_hook(

@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from .. import _torch
+from .._let_go import Waitable
 from . import _comms, _copies
 from ._comms import AllGatherComm, ReduceScatterComm
 from ._division import Division, division
@@ -38,7 +39,7 @@ class PendingGather:
 
     __slots__ = ("_parts", "_works", "requested")
 
-    def __init__(self, parts: list[_Part], works: list[dist.Work]) -> None:
+    def __init__(self, parts: list[_Part], works: list[Waitable]) -> None:
         self._parts = parts
         self._works = works
         self.requested = False
@@ -152,7 +153,7 @@ def start_all_gather(
     its stream, whatever ``async_op``.
     """
     parts: list[_Part] = []
-    works: list[dist.Work] = []
+    works: list[Waitable] = []
     world = group.size()
     for same_dtype in _by_dtype(parameters, [parameter.param_dtype for parameter in parameters]):
         chosen = [parameters[index] for index in same_dtype]

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _torch
+from .._let_go import Waitable
 
 __all__ = ["AllGatherComm", "ReduceScatterComm", "all_gather", "allocate"]
 
@@ -66,7 +67,7 @@ def all_gather(
     group: dist.ProcessGroup,
     *,
     async_op: bool,
-) -> dist.Work | None:
+) -> Waitable | None:
     """``output`` gets every rank's ``input``: through ``comm`` if given, as FSDP2's.
 
     Without ``comm``, one rank copies; else ``torch.distributed``'s all-gather. With

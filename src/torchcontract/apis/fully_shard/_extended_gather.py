@@ -25,6 +25,7 @@ from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from .._let_go import Waitable
 from . import _comms
 from ._collectives import PendingGather, on_stream
 from ._comms import AllGatherComm
@@ -151,7 +152,7 @@ class ExtendedGather(PendingGather):
         flat: Tensor,
         gathered: Tensor,
         *,
-        works: list[dist.Work],
+        works: list[Waitable],
         sizes: list[int],
         world: int,
         ordered: tuple[CommStreams, torch.Event] | None = None,

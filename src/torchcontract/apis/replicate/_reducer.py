@@ -66,6 +66,7 @@ from torchcontract import (
 )
 
 from .. import _torch
+from .._let_go import Collective
 from ._bucket_views import copy_in, new_buffer, point_into_bucket, split, write_back
 from ._buckets import FIRST_BUCKET_BYTES, assign_buckets_as_ddp
 from ._comm_hook import Bucket, CommHook, hook_result
@@ -81,7 +82,7 @@ OnSynchronized = Callable[[nn.Module, tuple[tuple[str, ...], ...] | None], None]
 Update = Callable[[nn.Module, Callable[[ReplicateState], ReplicateState]], ReplicateState]
 
 #: A launched bucket: an all-reduce in place, or the future a communication hook returned.
-_Pending = tuple[int, "dist.Work | torch.futures.Future[Tensor]"]
+_Pending = tuple[int, "Collective | torch.futures.Future[Tensor]"]
 
 _REDUCERS: weakref.WeakKeyDictionary[nn.Module, Reducer] = weakref.WeakKeyDictionary()
 
@@ -414,7 +415,7 @@ class Reducer:
         results: list[tuple[int, Tensor]] = []
         while self._launched:
             position, pending = self._launched.pop(0)
-            if isinstance(pending, dist.Work):
+            if isinstance(pending, Collective):
                 pending.wait()
                 results.append((position, self._flats[position]))
             else:
@@ -499,7 +500,7 @@ class Reducer:
             # Zeros of their own, as DDP's: with gradient_as_bucket_view this rank's
             # gradients live in the bucket buffers, and stay as they are.
             flat = torch.zeros_like(self._flats[position])
-            pending: dist.Work | torch.futures.Future[Tensor]
+            pending: Collective | torch.futures.Future[Tensor]
             if self._comm_hook is not None:
                 pending = self._run_comm_hook(position, flat, self._split(position, flat)[:-1])
             else:

@@ -1,0 +1,89 @@
+"""A script that ends right after these APIs' gloo collectives exits cleanly, gloo starved.
+
+The failure this guards against: gloo's thread frees a collective's tensor after the
+script's last line, while the interpreter exits, and the process aborts ("terminate
+called without an active exception"). It needs gloo's thread to run late, so here it
+is made to: its threads run at the lowest priority, on the one core the script and a
+busy loop share. Through torch's own call the script aborts in about one run of three
+here; through ``_torch``, which returns once gloo has let go (``_let_go``), it must
+never.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Final
+
+import pytest
+
+from torchcontract.testing import free_port
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses Linux scheduling"),
+]
+
+#: Runs through torchcontract, none of which may abort.
+RUNS: Final = 12
+#: At most this many runs through torch's own call, to see the harness reproduce the abort.
+CONTROL_RUNS: Final = 30
+
+SCRIPT: Final = """
+import os, sys, threading
+import torch, torch.distributed as dist
+from torchcontract.apis import _torch
+
+os.sched_setaffinity(0, {0})
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=0, world_size=1)
+main = threading.get_native_id()
+for thread in os.listdir("/proc/self/task"):  # gloo's threads, at the lowest priority
+    if int(thread) != main:
+        os.setpriority(os.PRIO_PROCESS, int(thread), 19)
+group = dist.group.WORLD
+for _ in range(20):
+    gathered = torch.empty(10)
+    if sys.argv[2] == "torch":
+        dist.all_gather_into_tensor(gathered, torch.ones(10), group=group)
+    else:
+        _torch.all_gather_into(gathered, torch.ones(10), group)
+"""
+
+
+@pytest.fixture
+def busy_core() -> Iterator[None]:
+    """A busy loop on core 0 for the test's length."""
+    loop = subprocess.Popen(
+        [sys.executable, "-c", "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"]
+    )
+    try:
+        yield
+    finally:
+        loop.kill()
+        loop.wait()
+
+
+def _exits_cleanly(script: Path, implementation: str) -> bool:
+    done = subprocess.run(
+        [sys.executable, str(script), f"tcp://127.0.0.1:{free_port()}", implementation],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        check=False,
+    )
+    if done.returncode != 0:
+        assert "terminate called without an active exception" in done.stderr, done.stderr
+    return done.returncode == 0
+
+
+@pytest.mark.usefixtures("busy_core")
+def test_a_script_ending_after_gloo_collectives_exits_cleanly(tmp_path: Path) -> None:
+    script = tmp_path / "end_after_gathers.py"
+    script.write_text(SCRIPT)
+    if all(_exits_cleanly(script, "torch") for _ in range(CONTROL_RUNS)):
+        pytest.skip(f"torch's own all-gather exited cleanly {CONTROL_RUNS} times here")
+    assert [_exits_cleanly(script, "torchcontract") for _ in range(RUNS)] == [True] * RUNS
