@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from torchcontract.apis import _torch
+from torchcontract.apis._let_go import Collective as Handle
 
 #: One collective: (kind, input elements), in the order issued.
 Collective = tuple[str, int]
@@ -94,7 +95,7 @@ def recording_all_reduces(found: list[int]) -> Iterator[None]:
     def record(tensor: Tensor) -> None:
         found.append(tensor.numel() * tensor.element_size())
 
-    def recorded_ours(tensor: Tensor, group: dist.ProcessGroup) -> dist.Work:
+    def recorded_ours(tensor: Tensor, group: dist.ProcessGroup) -> Handle:
         record(tensor)
         return ours(tensor, group)
 

@@ -24,6 +24,7 @@ from torch._C._distributed_c10d import GradBucket
 from torch.nn.parallel import DistributedDataParallel
 
 from torchcontract.apis import _torch, no_sync, rank_local, replicate
+from torchcontract.apis._let_go import Collective as Handle
 from torchcontract.testing import run_distributed
 
 WORLD_SIZE: Final = 2
@@ -49,7 +50,7 @@ class Recorder:
     def recording(self) -> Iterator[None]:
         all_reduce, broadcast = _torch.all_reduce, _torch.broadcast
 
-        def recorded_all_reduce(tensor: Tensor, group: dist.ProcessGroup) -> dist.Work:
+        def recorded_all_reduce(tensor: Tensor, group: dist.ProcessGroup) -> Handle:
             self.collectives.append(("all_reduce", tensor.numel()))
             return all_reduce(tensor, group)
 
