@@ -17,18 +17,18 @@ thread has dropped each alias. Then no tensor of theirs is ever freed on gloo's 
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable
 from typing import Final, Protocol, cast, final
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ._backends import serving_backend
+
 __all__ = ["Collective", "Waitable", "hand_over", "let_go"]
 
-#: How long to wait for gloo's thread to drop a finished collective's tensors. It
-#: drops them as soon as it is scheduled; past this, the wait gives up, as torch's.
+#: How long to wait for gloo's thread to drop a finished collective's tensors. It drops
+#: them as soon as it runs again; past this, the call returns anyway, as torch's would.
 LET_GO_SECONDS: Final = 10.0
 
 
@@ -38,34 +38,12 @@ class Waitable(Protocol):
     def wait(self) -> object: ...
 
 
-#: Per group, per device type: whether gloo serves it (and runs collectives on threads).
-_ON_GLOO_THREADS: Final[weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, bool]]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _served_by_gloo(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether c10d's gloo backend serves ``device`` in ``group`` (looked up once)."""
-    by_device = _ON_GLOO_THREADS.get(group)
-    if by_device is None:
-        by_device = _ON_GLOO_THREADS.setdefault(group, {})
-    served = by_device.get(device.type)
-    if served is None:
-        get_backend = cast(Callable[[torch.device], object], group._get_backend)
-        try:
-            served = isinstance(get_backend(device), dist.ProcessGroupGloo)
-        except (RuntimeError, NotImplementedError, AttributeError, ValueError):
-            served = False  # a group written in Python: its own works, its own rules
-        by_device[device.type] = served
-    return served
-
-
 def hand_over(group: dist.ProcessGroup, *tensors: Tensor) -> tuple[Tensor, ...] | None:
     """Aliases of ``tensors`` to give ``group``'s collective, if gloo runs it; else None.
 
     Pass the aliases to the collective, then ``let_go(aliases)`` once it has ended.
     """
-    if not _served_by_gloo(group, tensors[0].device):
+    if not serving_backend(group, tensors[0].device).on_gloo_threads:
         return None
     return tuple(tensor.detach() for tensor in tensors)
 

@@ -22,6 +22,7 @@ from torch.utils import checkpoint as torch_checkpoint
 from torch.utils.hooks import RemovableHandle
 
 from . import _compat
+from ._backends import serving_backend
 from ._let_go import Collective, hand_over
 
 __all__ = [
@@ -317,8 +318,6 @@ def all_gather_into_async(output: Tensor, input: Tensor, group: dist.ProcessGrou
     return _start(_all_gather_single, group, (output, input))
 
 
-_get_backend: Final = cast(Callable[[dist.ProcessGroup], object], dist.get_backend)
-
 #: The backends whose collectives take ``ReduceOp.AVG`` on every supported release (the
 #: accelerators' collective libraries, and PyTorch's fake group, which moves nothing).
 _AVERAGING_BACKENDS: Final = frozenset({"nccl", "xccl", "hccl", "fake"})
@@ -335,27 +334,10 @@ def averages_in_collectives(group: dist.ProcessGroup, device: torch.device) -> b
     or one a group does not name (a group written in Python, MPI), sums, and the sum
     is divided after.
     """
-    name = _backend_name(group, device)
+    name = serving_backend(group, device).name
     if "gloo" in name:
         return _compat.GLOO_AVERAGES
     return name in _AVERAGING_BACKENDS
-
-
-def _backend_name(group: dist.ProcessGroup, device: torch.device) -> str:
-    """The name of the backend serving ``device`` in ``group``, or its own; "" if neither."""
-    get_backend = cast(Callable[[torch.device], Any], group._get_backend)
-    try:
-        return str(get_backend(device).name())
-    except (RuntimeError, NotImplementedError, AttributeError, ValueError):
-        pass  # a group written in Python, or a backend torch 2.6 cannot look up by device
-    try:
-        return str(_get_backend(group))  # what it was made with, where c10d made it
-    except (RuntimeError, ValueError, TypeError):  # one c10d did not make
-        pass
-    try:
-        return group.name()
-    except (RuntimeError, NotImplementedError):
-        return ""
 
 
 def reduce_scatter_average(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:
