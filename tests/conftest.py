@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchcontract.testing import free_port
 
@@ -28,6 +29,26 @@ def one_rank_group() -> Iterator[None]:
     )
     try:
         yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def default_group(request: pytest.FixtureRequest) -> Iterator[dist.ProcessGroup]:
+    """The default group over the backend(s) ``request.param`` names: parametrize indirectly.
+
+    One rank (this process); the fake group, which moves nothing, has two.
+    """
+    backend: str = request.param
+    if backend == "fake":
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    else:
+        address = f"tcp://127.0.0.1:{free_port()}"
+        dist.init_process_group(backend, init_method=address, rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        assert group is not None
+        yield group
     finally:
         dist.destroy_process_group()
 

@@ -10,35 +10,15 @@ decides. A group written in Python is judged by its own name.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
 from python_group import PythonGroup
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchcontract.apis import _backends, _compat, _torch
-from torchcontract.testing import free_port
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def default_group(request: pytest.FixtureRequest) -> Iterator[dist.ProcessGroup]:
-    """The default group of one rank over the backend(s) ``request.param`` names."""
-    backend: str = request.param
-    if backend == "fake":
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    else:
-        address = f"tcp://127.0.0.1:{free_port()}"
-        dist.init_process_group(backend, init_method=address, rank=0, world_size=1)
-    try:
-        group = dist.group.WORLD
-        assert group is not None
-        yield group
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(
