@@ -9,14 +9,12 @@ decides. A group written in Python is judged by its own name.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 import torch.distributed as dist
 from python_group import PythonGroup
 
-from torchcontract.apis import _backends, _compat, _torch
+from torchcontract.apis import _compat, _torch
 
 CPU = torch.device("cpu")
 
@@ -58,22 +56,3 @@ def test_a_group_written_in_python_is_judged_by_its_name(
 ) -> None:
     """Unknown (or unnamed, as torchft's base class raises): summed, then divided."""
     assert _torch.averages_in_collectives(group(0, 2), CPU) is averages
-
-
-@pytest.mark.parametrize("default_group", ["gloo"], indirect=True)
-def test_the_backend_is_looked_up_once_per_group_and_device_type(
-    default_group: dist.ProcessGroup,
-) -> None:
-    found = _backends.serving_backend(default_group, CPU)
-    assert found == _backends.ServingBackend("gloo", on_gloo_threads=True)
-    assert _backends.serving_backend(default_group, torch.device("cpu", 0)) is found
-
-
-def test_a_destroyed_groups_answer_goes_with_it() -> None:
-    group = _Named(0, 2)
-    assert _backends.serving_backend(group, CPU) == _backends.ServingBackend("mirror", False)
-    assert group in _backends._FOUND
-    before = len(_backends._FOUND)
-    del group
-    gc.collect()
-    assert len(_backends._FOUND) == before - 1

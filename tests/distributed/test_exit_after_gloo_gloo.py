@@ -4,9 +4,9 @@ The failure this guards against: gloo's thread frees a collective's tensor after
 script's last line, while the interpreter exits, and the process aborts ("terminate
 called without an active exception"). It needs gloo's thread to run late, so here it
 is made to: its threads run at the lowest priority, on the one core the script and a
-busy loop share. Through torch's own call the script aborts in about one run of three
-here; through ``_torch``, which returns once gloo has let go (``_let_go``), it must
-never.
+busy loop share (the first this process may use). Through torch's own call the
+script aborts in about one run of three here; through ``_torch``, which returns once
+gloo has let go (``_let_go``), it must never.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import os, sys, threading
 import torch, torch.distributed as dist
 from torchcontract.apis import _torch
 
-os.sched_setaffinity(0, {0})
+os.sched_setaffinity(0, {int(sys.argv[3])})
 dist.init_process_group("gloo", init_method=sys.argv[1], rank=0, world_size=1)
 main = threading.get_native_id()
 for thread in os.listdir("/proc/self/task"):  # gloo's threads, at the lowest priority
@@ -53,11 +53,15 @@ for _ in range(20):
 """
 
 
+#: The core the script and the busy loop share: the first this process may run on.
+CORE: Final = min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+
+
 @pytest.fixture
 def busy_core() -> Iterator[None]:
-    """A busy loop on core 0 for the test's length."""
+    """A busy loop on ``CORE`` for the test's length."""
     loop = subprocess.Popen(
-        [sys.executable, "-c", "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"]
+        [sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{CORE}}})\nwhile True: pass"]
     )
     try:
         yield
@@ -68,7 +72,7 @@ def busy_core() -> Iterator[None]:
 
 def _exits_cleanly(script: Path, implementation: str) -> bool:
     done = subprocess.run(
-        [sys.executable, str(script), f"tcp://127.0.0.1:{free_port()}", implementation],
+        [sys.executable, str(script), f"tcp://127.0.0.1:{free_port()}", implementation, str(CORE)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -52,12 +52,17 @@ def serving_backend(group: dist.ProcessGroup, device: torch.device) -> ServingBa
 
 
 _get_backend: Final = cast(Callable[[dist.ProcessGroup], object], dist.get_backend)
+#: What ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` wraps each backend in (``wrapped_pg`` inside).
+_WRAPPER: Final = cast("type | None", vars(dist.distributed_c10d).get("_ProcessGroupWrapper"))
 
 
 def _look_up(group: dist.ProcessGroup, device: torch.device) -> ServingBackend:
-    get_backend = cast(Callable[[torch.device], Any], group._get_backend)
+    if isinstance(group, dist.ProcessGroupGloo):  # a backend used as a group (from a store)
+        return ServingBackend("gloo", True)
     try:
-        backend = get_backend(device)
+        backend = cast(Callable[[torch.device], Any], group._get_backend)(device)
+        wrapped = _WRAPPER is not None and isinstance(backend, _WRAPPER)
+        backend = cast(Any, backend).wrapped_pg if wrapped else backend
         return ServingBackend(str(backend.name()), isinstance(backend, dist.ProcessGroupGloo))
     except (RuntimeError, NotImplementedError, AttributeError, ValueError):
         pass  # a group written in Python, or a backend torch 2.6 cannot look up by device

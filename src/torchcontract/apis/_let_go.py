@@ -9,9 +9,11 @@ called without an active exception"). Device meshes keep a gloo group, and its
 threads, alive past ``destroy_process_group``, so the last collectives of a script are
 exposed, FSDP2's and DDP's among them.
 
-So these APIs hand gloo aliases of their tensors (``detach()``: the same memory, in a
-tensor object that nothing else holds), and wait, after the collective, until gloo's
-thread has dropped each alias. Then no tensor of theirs is ever freed on gloo's thread.
+So these APIs hand gloo aliases of their dense tensors (``detach()``: the same memory,
+in a tensor object that nothing else holds), and wait, after the collective, until
+gloo's thread has dropped each alias. Then no tensor of theirs is freed on that thread.
+Where torch keeps a collective's work after its end (collectives as graph inputs,
+``allow_inflight_collective_as_graph_input_ctx``), nothing is aliased or waited for.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Final, Protocol, cast, final
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -30,8 +34,8 @@ from ._backends import serving_backend
 __all__ = ["Collective", "Waitable", "hand_over", "let_go"]
 
 #: How long to wait for gloo's thread to drop a finished collective's tensors. It drops
-#: them as soon as it runs again; past this, the call returns anyway, as torch's would.
-LET_GO_SECONDS: Final = 10.0
+#: them as soon as it runs again; past this, the wait stops for good (with a warning).
+LET_GO_SECONDS: Final = 2.0
 
 
 class Waitable(Protocol):
@@ -40,19 +44,38 @@ class Waitable(Protocol):
     def wait(self) -> object: ...
 
 
+#: True while torch keeps collectives' works after their end, for compiled graphs.
+_inflight_as_graph_inputs: Final = cast(
+    Callable[[], bool],
+    vars(torch._C._distributed_c10d).get("_allow_inflight_collective_as_graph_input", bool),
+)
+
+
+class _Waiting:
+    """Whether collectives wait for gloo's thread; off for good once a wait ran out."""
+
+    enabled = True
+
+
 def hand_over(group: dist.ProcessGroup, *tensors: Tensor) -> tuple[Tensor, ...] | None:
     """Aliases of ``tensors`` to give ``group``'s collective, if gloo runs it; else None.
 
     Pass the aliases to the collective, then ``let_go(aliases)`` once it has ended.
+    None (give the tensors themselves) off gloo, for a sparse tensor (whose collective
+    replaces its members rather than writing into them), and where torch keeps the work.
     """
-    if not serving_backend(group, tensors[0].device).on_gloo_threads:
+    if (
+        not _Waiting.enabled
+        or not serving_backend(group, tensors[0].device).on_gloo_threads
+        or any(tensor.layout != torch.strided for tensor in tensors)
+        or _inflight_as_graph_inputs()
+    ):
         return None
     return tuple(tensor.detach() for tensor in tensors)
 
 
 #: How many C++ references a tensor object has (torch leaves the method out of its stubs).
 _use_count: Final = cast(Callable[[Tensor], int], getattr(Tensor, "_use_count"))  # noqa: B009
-
 
 if sys.platform == "win32":
 
@@ -69,6 +92,7 @@ def let_go(aliases: tuple[Tensor, ...]) -> None:
     """Return once nothing but these objects holds ``aliases``: gloo's thread dropped them.
 
     Call it after the collective's ``wait()``, its ``Work`` dropped (which holds them too).
+    After ``LET_GO_SECONDS`` it warns, returns, and no collective waits again.
     """
     deadline = 0.0
     for alias in aliases:
@@ -77,8 +101,20 @@ def let_go(aliases: tuple[Tensor, ...]) -> None:
             if not deadline:
                 deadline = now + LET_GO_SECONDS
             elif now > deadline:
+                _give_up()
                 return
             _hand_the_gil_over()
+
+
+def _give_up() -> None:
+    _Waiting.enabled = False
+    warnings.warn(
+        f"torchcontract: gloo still held a collective's tensors {LET_GO_SECONDS:g} s after "
+        "it ended, so fully_shard and replicate no longer wait for gloo's thread in this "
+        "process; a script that ends right after a gloo collective may now abort at exit",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 @final

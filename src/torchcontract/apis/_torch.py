@@ -147,12 +147,38 @@ def _start(
     returns (``_let_go``): no tensor of these APIs is freed on that thread.
     """
     aliases = hand_over(group, *tensors)
-    work = collective(
-        *(tensors if aliases is None else aliases), group=group, async_op=True, **options
-    )
+    return _started(collective, group, tensors if aliases is None else aliases, aliases, options)
+
+
+def _started(
+    collective: Callable[..., dist.Work | None],
+    group: dist.ProcessGroup,
+    given: tuple[Tensor, ...],
+    aliases: tuple[Tensor, ...] | None,
+    options: dict[str, object],
+) -> Collective:
+    work = collective(*given, group=group, async_op=True, **options)
     if work is None:
         raise RuntimeError("torchcontract: an asynchronous collective returned no handle")
     return Collective(work, aliases)
+
+
+def _run(
+    collective: Callable[..., dist.Work | None],
+    group: dist.ProcessGroup,
+    tensors: tuple[Tensor, ...],
+    **options: object,
+) -> None:
+    """Run ``collective(*tensors, group=group, **options)`` to its end, as torch's call.
+
+    Synchronous, as torch runs it (NCCL on the caller's stream), except on gloo:
+    there started, and waited for until gloo's thread let go (``_let_go``).
+    """
+    aliases = hand_over(group, *tensors)
+    if aliases is None:
+        collective(*tensors, group=group, **options)
+        return
+    _started(collective, group, aliases, aliases, options).wait()
 
 
 def all_reduce(tensor: Tensor, group: dist.ProcessGroup) -> Collective:
@@ -176,7 +202,7 @@ def nccl_version() -> tuple[int, ...]:
 
 def all_reduce_max(tensor: Tensor, group: dist.ProcessGroup) -> None:
     """Replace ``tensor`` in place by its largest value over ``group``, and wait for it."""
-    _start(_all_reduce, group, (tensor,), op=dist.ReduceOp.MAX).wait()
+    _run(_all_reduce, group, (tensor,), op=dist.ReduceOp.MAX)
 
 
 def work_tensor(work: dist.Work) -> Tensor:
@@ -185,9 +211,15 @@ def work_tensor(work: dist.Work) -> Tensor:
     return future.value()[0]
 
 
+#: The default group; c10d's ``ValueError`` before ``init_process_group``.
+_default_group: Final = cast(
+    Callable[[], dist.ProcessGroup], vars(dist.distributed_c10d)["_get_default_group"]
+)
+
+
 def all_reduce_blocking(tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
     """Reduce ``tensor`` in place over the default group with ``op``, and wait for it."""
-    _start(_all_reduce, cast(dist.ProcessGroup, dist.group.WORLD), (tensor,), op=op).wait()
+    _run(_all_reduce, _default_group(), (tensor,), op=op)
 
 
 _barrier: Final = cast(Callable[[], object], dist.barrier)
@@ -310,7 +342,7 @@ _reduce_scatter_single: Final = _compat.reduce_scatter_single
 
 def all_gather_into(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:
     """Concatenate every rank's ``input`` (same size on all) into ``output``, by rank; wait."""
-    _start(_all_gather_single, group, (output, input)).wait()
+    _run(_all_gather_single, group, (output, input))
 
 
 def all_gather_into_async(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> Collective:
@@ -348,24 +380,24 @@ def reduce_scatter_average(output: Tensor, input: Tensor, group: dist.ProcessGro
     sum and a division.
     """
     if averages_in_collectives(group, input.device):
-        _start(_reduce_scatter_single, group, (output, input), op=dist.ReduceOp.AVG).wait()
+        _run(_reduce_scatter_single, group, (output, input), op=dist.ReduceOp.AVG)
         return
-    _start(_reduce_scatter_single, group, (output, input), op=dist.ReduceOp.SUM).wait()
+    _run(_reduce_scatter_single, group, (output, input), op=dist.ReduceOp.SUM)
     output.div_(group.size())
 
 
 def all_reduce_average(tensor: Tensor, group: dist.ProcessGroup) -> None:
     """Average ``tensor`` over ``group`` in place; wait. As ``reduce_scatter_average``."""
     if averages_in_collectives(group, tensor.device):
-        _start(_all_reduce, group, (tensor,), op=dist.ReduceOp.AVG).wait()
+        _run(_all_reduce, group, (tensor,), op=dist.ReduceOp.AVG)
         return
-    _start(_all_reduce, group, (tensor,)).wait()
+    _run(_all_reduce, group, (tensor,))
     tensor.div_(group.size())
 
 
 def reduce_scatter_sum(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:
     """Sum ``input`` over ``group`` and keep this rank's slice in ``output``; wait."""
-    _start(_reduce_scatter_single, group, (output, input), op=dist.ReduceOp.SUM).wait()
+    _run(_reduce_scatter_single, group, (output, input), op=dist.ReduceOp.SUM)
 
 
 def register_tensor_hook(
