@@ -62,7 +62,7 @@ def _look_up(group: dist.ProcessGroup, device: torch.device) -> ServingBackend:
     try:
         backend = cast(Callable[[torch.device], Any], group._get_backend)(device)
         wrapped = _WRAPPER is not None and isinstance(backend, _WRAPPER)
-        backend = cast(Any, backend).wrapped_pg if wrapped else backend
+        backend = backend.wrapped_pg if wrapped else backend
         return ServingBackend(str(backend.name()), isinstance(backend, dist.ProcessGroupGloo))
     except (RuntimeError, NotImplementedError, AttributeError, ValueError):
         pass  # a group written in Python, or a backend torch 2.6 cannot look up by device

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Final, Protocol, cast, final
 
 import torch
+import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 from torch import Tensor
 
@@ -47,7 +48,7 @@ class Waitable(Protocol):
 #: True while torch keeps collectives' works after their end, for compiled graphs.
 _inflight_as_graph_inputs: Final = cast(
     Callable[[], bool],
-    vars(torch._C._distributed_c10d).get("_allow_inflight_collective_as_graph_input", bool),
+    vars(c10d).get("_allow_inflight_collective_as_graph_input", bool),
 )
 
 
