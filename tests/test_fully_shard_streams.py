@@ -183,15 +183,21 @@ def _assert_freed_in_stream_order(
     return most
 
 
+def _sharded_linears(count: int) -> Any:
+    """``count`` seeded ``Linear(4, 4)`` in a Sequential: each layer, then the root, sharded."""
+    torch.manual_seed(0)
+    model: Any = nn.Sequential(*(nn.Linear(4, 4) for _ in range(count)))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
 def _four_blocks(backend: FakeBackend, *, max_inputs: int | None = None) -> list[str]:
     """The log of three steps of four blocks, each prefetching the next in forward and
     backward; ``max_inputs``: ``set_reduce_scatter_max_input_buffers`` on the root."""
     with fake_mesh((2,)):
-        torch.manual_seed(0)
-        model: Any = nn.Sequential(*(nn.Linear(4, 4) for _ in range(4)))
-        for layer in model:
-            fully_shard(layer)
-        fully_shard(model)
+        model = _sharded_linears(4)
         for current, following in itertools.pairwise(model):
             current.set_modules_to_forward_prefetch([following])
             following.set_modules_to_backward_prefetch([current])
@@ -273,11 +279,7 @@ def test_reduce_scatter_max_input_buffers_is_read_at_the_first_forward(
 ) -> None:
     """As FSDP2's lazy init: a value set after the root's first forward changes nothing."""
     with fake_mesh((2,)):
-        torch.manual_seed(0)
-        model: Any = nn.Sequential(*(nn.Linear(4, 4) for _ in range(3)))
-        for layer in model:
-            fully_shard(layer)
-        fully_shard(model)
+        model = _sharded_linears(3)
         model(torch.ones(2, 4)).sum().backward()
         model.set_reduce_scatter_max_input_buffers(2)
         log = _step(model, backend)

@@ -5,7 +5,7 @@ script's last line, while the interpreter exits, and the process aborts ("termin
 called without an active exception"). It needs gloo's thread to run late, so here it
 is made to: its threads run at the lowest priority, on the one core the script and a
 busy loop share (the first this process may use). Through torch's own call the
-script aborts in about one run of three here; through ``_torch``, which returns once
+script aborts in some of the runs; through ``_torch``, which returns once
 gloo has let go (``_let_go``), it must never.
 """
 

@@ -146,17 +146,18 @@ def _start(
     On gloo, through aliases that gloo's thread has let go of once ``wait()``
     returns (``_let_go``): no tensor of these APIs is freed on that thread.
     """
-    aliases = hand_over(group, *tensors)
-    return _started(collective, group, tensors if aliases is None else aliases, aliases, options)
+    return _started(collective, group, tensors, hand_over(group, *tensors), options)
 
 
 def _started(
     collective: Callable[..., dist.Work | None],
     group: dist.ProcessGroup,
-    given: tuple[Tensor, ...],
+    tensors: tuple[Tensor, ...],
     aliases: tuple[Tensor, ...] | None,
     options: dict[str, object],
 ) -> Collective:
+    """``collective`` started on ``aliases`` where there are some, else on ``tensors``."""
+    given = tensors if aliases is None else aliases
     work = collective(*given, group=group, async_op=True, **options)
     if work is None:
         raise RuntimeError("torchcontract: an asynchronous collective returned no handle")
@@ -178,7 +179,7 @@ def _run(
     if aliases is None:
         collective(*tensors, group=group, **options)
         return
-    _started(collective, group, aliases, aliases, options).wait()
+    _started(collective, group, tensors, aliases, options).wait()
 
 
 def all_reduce(tensor: Tensor, group: dist.ProcessGroup) -> Collective:
