@@ -7,27 +7,45 @@ workload, library and model size a result belongs to.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Final
 
 import attrs
-import torch
 from pytest_benchmark.fixture import BenchmarkFixture
 
 __all__ = ["Side", "evict_caches", "label", "time_interleaved", "time_once_per_model"]
 
-#: Larger than any CPU cache this runs on: writing it evicts whatever was cached.
-_EVICTION_BYTES: Final = 128 * 1024 * 1024
-_eviction_buffer: list[torch.Tensor] = []
+#: Where Linux lists this CPU's caches, one ``index*/size`` per level ("48K", "491520K").
+_CACHES: Final = Path("/sys/devices/system/cpu/cpu0/cache")
+_eviction_buffer: list[bytearray] = []
+
+
+def _largest_cache_bytes() -> int:
+    """The size of this CPU's largest cache, or 128 MiB where Linux does not list them."""
+    sizes = [
+        int(text[:-1]) * 1024
+        for entry in _CACHES.glob("index*/size")
+        if (text := entry.read_text().strip()).endswith("K") and text[:-1].isdigit()
+    ]
+    return max(sizes, default=128 * 1024 * 1024)
 
 
 def evict_caches() -> None:
-    """Write a buffer larger than the CPU caches, so the next timed code starts cold."""
+    """Write a buffer twice the size of the CPU's largest cache, so the next timed code starts cold.
+
+    One ``memset`` on this thread, not a torch op: a torch op this large runs on torch's
+    thread pool, whose threads then spin for a while, and ``time.process_time`` would
+    count their spinning in the round that follows (nearly doubling a root apply's time
+    on 2 cores).
+    """
     if not _eviction_buffer:
-        _eviction_buffer.append(torch.empty(_EVICTION_BYTES // 4, dtype=torch.float32))
-    _eviction_buffer[0].fill_(1.0)
+        _eviction_buffer.append(bytearray(2 * _largest_cache_bytes()))
+    buffer = _eviction_buffer[0]
+    ctypes.memset((ctypes.c_char * len(buffer)).from_buffer(buffer), 1, len(buffer))
 
 
 def label(

@@ -8,27 +8,27 @@ once), ``None`` entries skipped. It also lists every parameter at every path, as
 ``named_parameters(remove_duplicate=False)`` and ``state_dict()`` do. Identity,
 not ``__eq__``/``__hash__``, decides what is shared.
 
-Speed: one walk copies, per module visited, its depth and name in the tree and
-the keys of its ``_parameters`` and ``_buffers`` and the ids of their values into
-flat lists, the same lists for both kinds (a count of each per module tells them
-apart). It builds no string per module: the pre-order sequence of (depth,
-name) pairs fixes every path, so the FQN tuples can be built from the copies
-later, and only when someone asks for them. Two snapshots whose copies are equal
-(same depths, names, keys and value ids) have equal FQNs: equal ids mean the same
-``None`` entries and the same tied parameters, since within one walk equal ids
-are one object. So comparing them needs no FQNs at all; any other pair is
-compared by its FQNs. Ids rather than the tensors themselves, so that a snapshot
-keeps no tensor alive: an API that replaces parameters frees the old ones as it
-goes. Nothing is cached across walks: every snapshot reads the whole tree again,
-so no change can hide.
+Speed: one walk copies, per module visited, the keys of its ``_parameters`` and
+the ids of their values into flat lists, with a count per module; buffers, children
+and ``None`` children, which most modules lack, only where there are any: per module
+that has them, its position, their count, their keys (children: names), and for
+``None`` children which ones they are. It builds no string per module: those copies
+fix every path, so the FQN tuples can be built from them later, and only when someone
+asks for them. Two snapshots whose copies are equal (same structure, names, keys and
+value ids) have equal FQNs: equal ids mean the same ``None`` entries and the same tied
+parameters, since within one walk equal ids are one object. So comparing them needs no
+FQNs at all; any other pair is compared by its FQNs. Ids rather than the tensors
+themselves, so that a snapshot keeps no tensor alive: an API that replaces parameters
+frees the old ones as it goes. Nothing is cached across walks: every snapshot reads the
+whole tree again, so no change can hide.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from itertools import chain, compress, cycle, repeat
-from operator import ne, not_
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from itertools import chain, compress, repeat
+from operator import is_, ne, not_
 from typing import Final
 
 from torch import nn
@@ -40,9 +40,15 @@ __all__ = ["FQNSnapshot", "descendants", "quote_fqn", "take_snapshot"]
 _NONE_ID: Final = id(None)
 _NO_FORWARD: Final = object()
 
-#: What a walk copies of members: counts per module, keys, ids of the values. A snapshot
-#: holds one for parameters and buffers together, each module's parameter count followed
-#: by its buffer count, its parameters' keys and ids by its buffers'.
+#: What a walk copies of the tree. ``structure``: for the walk's start (position -1,
+#: whose one child is the root, named "") and then for each module with children, in
+#: pre-order, its position and its number of children, flat. ``names``: those children's
+#: names, in the same order. ``holes``: for each ``None`` child, its parent's position and
+#: which of that parent's children are ``None``.
+_TreeCopy = tuple[list[int], list[str], list[tuple[int, tuple[bool, ...]]]]
+#: What a walk copies of one kind of member: counts, keys, ids of the values. Parameters
+#: have a count per module; buffers, which most modules lack, a position and a count per
+#: module that has any, flat.
 _MemberCopy = tuple[list[int], list[str], list[int]]
 
 
@@ -62,18 +68,18 @@ class FQNSnapshot:
     """
 
     # Few slots: a snapshot is built twice per apply, and each slot written costs.
-    # ``_tree`` is (depths, names); ``_forwards`` maps a module's position to its
-    # instance ``forward``; ``_members`` is the parameters and buffers (counts per module, keys,
-    # value ids); ``_names`` caches the FQN tuples built from them, by kind;
+    # ``_tree`` is the copy of the tree; ``_forwards`` maps a module's position to its
+    # instance ``forward``; ``_members`` is the copies of the parameters and of the buffers;
+    # ``_names`` caches the FQN tuples built from them, by kind;
     # ``_modules`` is the walk's own list of modules, never written after it (copying
     # it into a tuple would touch every module object again, where a large tree has
     # left the CPU's caches). Filled by ``_snapshot``, the one place a snapshot is built.
     __slots__ = ("_forwards", "_members", "_modules", "_names", "_tree", "classes")
     _modules: Sequence[nn.Module]
     classes: tuple[type[nn.Module], ...]
-    _tree: tuple[list[int], list[str]]
+    _tree: _TreeCopy
     _forwards: Mapping[int, object]
-    _members: _MemberCopy
+    _members: tuple[_MemberCopy, _MemberCopy]
     _names: dict[str, tuple[str, ...]] | None
 
     def __init__(self) -> None:
@@ -98,8 +104,7 @@ class FQNSnapshot:
         """Parameter FQNs, as the names of ``named_parameters()``."""
 
         def build() -> tuple[str, ...]:
-            params = self._split()[0]
-            names, ids = _present(self._member_names(params), params[2])
+            names, ids = _present(self._parameter_names(), self._members[0][2])
             if len(set(ids)) != len(ids):
                 names = _first_occurrences(names, ids)
             return tuple(names)
@@ -115,60 +120,67 @@ class FQNSnapshot:
         """
         return self._cached(
             "state_dict_parameters",
-            lambda: tuple(_present(self._member_names(params := self._split()[0]), params[2])[0]),
+            lambda: tuple(_present(self._parameter_names(), self._members[0][2])[0]),
         )
 
     @property
     def buffers(self) -> tuple[str, ...]:
         """Buffer FQNs, as the names of ``named_buffers(remove_duplicate=False)``."""
-        return self._cached(
-            "buffers",
-            lambda: tuple(_present(self._member_names(buffs := self._split()[1]), buffs[2])[0]),
-        )
+
+        def build() -> tuple[str, ...]:
+            pairs, keys, ids = self._members[1]
+            owners = map(self._prefixes().__getitem__, pairs[0::2])
+            return tuple(_present(_joined(owners, pairs[1::2], keys), ids)[0])
+
+        return self._cached("buffers", build)
 
     @property
     def module_fqns(self) -> tuple[str, ...]:
         """Module FQNs, as the names of ``named_modules(remove_duplicate=False)``."""
         return self._cached("modules", lambda: self._build_fqns()[0])
 
-    def _split(self) -> tuple[_MemberCopy, _MemberCopy]:
-        """The parameters' copy and the buffers' copy, apart (each pass in C)."""
-        counts, keys, ids = self._members
-        param_counts, buffer_counts = counts[0::2], counts[1::2]
-        if not any(buffer_counts):
-            return (param_counts, keys, ids), (buffer_counts, [], [])
-        # Per key, whether it is a parameter: each module's count of True, then of False.
-        is_param = list(chain.from_iterable(map(repeat, cycle((True, False)), counts)))
-        is_buffer = list(map(not_, is_param))
-        return (
-            (param_counts, list(compress(keys, is_param)), list(compress(ids, is_param))),
-            (buffer_counts, list(compress(keys, is_buffer)), list(compress(ids, is_buffer))),
-        )
+    def _parameter_names(self) -> list[str]:
+        """Each parameter key joined to the prefix of the module it belongs to."""
+        counts, keys, _ = self._members[0]
+        return _joined(self._prefixes(), counts, keys)
 
-    def _member_names(self, members: _MemberCopy) -> list[str]:
-        """Each member key of ``members`` joined to the prefix of the module it belongs to."""
-        prefixes = self._cached("prefixes", lambda: self._build_fqns()[1])
-        counts, keys, _ = members
-        owners: Iterator[str] = chain.from_iterable(map(repeat, prefixes, counts))
-        return list(map(str.__add__, owners, keys))
+    def _prefixes(self) -> tuple[str, ...]:
+        return self._cached("prefixes", lambda: self._build_fqns()[1])
 
     def _build_fqns(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """Every module's FQN and member prefix, rebuilt from the (depth, name) pairs.
+        """Every module's FQN and member prefix, rebuilt from the copy of the tree.
 
         As ``named_modules()``: a child's FQN is its parent's FQN, a dot and its name,
         without the dot when the parent's FQN is empty; its member prefix is its FQN
         and a dot, or empty when its FQN is.
         """
+        structure, names, holes = self._tree
+        absent = dict(holes)
+        children: dict[int, Iterator[str]] = {}  # the names still to visit, per parent
+        start = 0
+        for parent, count in zip(structure[0::2], structure[1::2], strict=True):
+            group = names[start : start + count]
+            start += count
+            if parent in absent:
+                group = list(compress(group, map(not_, absent[parent])))
+            children[parent] = iter(group)
         fqns: list[str] = []
         prefixes: list[str] = []
-        ancestors: list[str] = []  # member prefix of the current ancestor at each depth
-        for depth, name in zip(*self._tree, strict=True):
-            fqn = ancestors[depth - 1] + name if depth else ""
+        # Pre-order: each module is the next child of the nearest ancestor with one left.
+        pending: list[tuple[str, Iterator[str]]] = [("", children[-1])]
+        for position in range(len(self._modules)):
+            prefix, left = pending[-1]
+            name = next(left, None)
+            while name is None:
+                pending.pop()
+                prefix, left = pending[-1]
+                name = next(left, None)
+            fqn = prefix + name
             prefix = fqn + "." if fqn else ""
-            del ancestors[depth:]
-            ancestors.append(prefix)
             fqns.append(fqn)
             prefixes.append(prefix)
+            if position in children:
+                pending.append((prefix, children[position]))
         return tuple(fqns), tuple(prefixes)
 
     @property
@@ -182,8 +194,7 @@ class FQNSnapshot:
         True implies equal ``parameters``, ``buffers`` and ``module_fqns``; False
         implies nothing (the names may still agree), so compare the names then.
         """
-        # Tuples of lists compare item by item: depths and names, then counts, keys, ids;
-        # equal interleaved counts split both kinds' keys and ids alike.
+        # Tuples of lists compare item by item, in C: the tree's copy, then the members'.
         return self._tree == other._tree and self._members == other._members
 
     def __repr__(self) -> str:
@@ -194,18 +205,18 @@ class FQNSnapshot:
 
 
 _new: Final = object.__new__
-#: The (depths, names) of every leaf, and the members of a leaf that has none of a kind:
-#: shared, never written.
-_LEAF_TREE: Final = ([0], [""])
-_NO_MEMBERS: Final[_MemberCopy] = ([0, 0], [], [])
+#: The copies of a leaf's tree, and of members a leaf has none of: shared, never written.
+_LEAF_TREE: Final[_TreeCopy] = ([-1, 1], [""], [])
+_NO_PARAMETERS: Final[_MemberCopy] = ([0], [], [])
+_NO_BUFFERS: Final[_MemberCopy] = ([], [], [])
 
 
 def _snapshot(
     modules: Sequence[nn.Module],
     classes: tuple[type[nn.Module], ...],
-    tree: tuple[list[int], list[str]],
+    tree: _TreeCopy,
     forwards: Mapping[int, object],
-    members: _MemberCopy,
+    members: tuple[_MemberCopy, _MemberCopy],
     /,
 ) -> FQNSnapshot:
     """A snapshot of what one walk copied, built without a Python-level ``__init__``."""
@@ -266,80 +277,89 @@ def _walk(root: nn.Module) -> FQNSnapshot:
             (type(root),),
             _LEAF_TREE,
             {} if forward is _NO_FORWARD else {0: forward},
-            _leaf_members(params, buffers) if params or buffers else _NO_MEMBERS,
+            (
+                ([len(params)], list(params), list(map(id, params.values())))
+                if params
+                else _NO_PARAMETERS,
+                ([0, len(buffers)], list(buffers), list(map(id, buffers.values())))
+                if buffers
+                else _NO_BUFFERS,
+            ),
         )
     modules: list[nn.Module] = []
-    depths: list[int] = []
-    names: list[str] = []
     forwards: dict[int, object] = {}
+    structure: list[int] = []
+    names: list[str] = []
+    holes: list[tuple[int, tuple[bool, ...]]] = []
     counts: list[int] = []
     keys: list[str] = []
     values: list[object] = []
-    add_module, add_depth, add_name = modules.append, depths.append, names.append
-    add_count, add_keys, add_values = counts.append, keys.extend, values.extend
+    buffer_counts: list[int] = []
+    buffer_keys: list[str] = []
+    buffer_values: list[object] = []
+    add_module, add_count, add_keys, add_values = (
+        modules.append,
+        counts.append,
+        keys.extend,
+        values.extend,
+    )
 
     # Recursion with bound methods and bulk list.extend calls is the fastest
-    # pure-Python walk measured; the depth limit is the one named_modules() has.
-    # Names are the dict keys themselves and depths are small cached ints, so a
-    # walk allocates nothing per module but list slots (and a view of each
-    # non-empty dict of members or children). visit reaches itself
-    # through an argument, not through its closure: a closure that refers to
-    # itself is a reference cycle, which would keep every module of the tree alive
-    # until the cycle collector runs (never, where training loops disable it).
-    def visit(module: nn.Module, name: str, depth: int, recurse: Callable[..., None]) -> None:
-        # nn.Module.__init__ puts the three member dicts in the instance __dict__
-        # (scripted modules too); reading them there skips three attribute lookups.
-        # A traced module has none there: its attribute lookup reaches the scripted
-        # module inside, as named_parameters() and the other named_* functions do.
-        attributes = module.__dict__
-        try:
-            own_params: _Members = attributes["_parameters"]
-            own_buffers: _Members = attributes["_buffers"]
-            children: Mapping[str, nn.Module | None] = attributes["_modules"]
-        except KeyError:
-            own_params, own_buffers, children = _members(module)
-        if "forward" in attributes:
-            forwards[len(modules)] = attributes["forward"]
-        add_module(module)
-        add_depth(depth)
-        add_name(name)
-        # Keys by iterating the dict itself, children only where there are any: each
-        # view or iterator not made is an allocation fewer per module.
-        count = len(own_params)
-        add_count(count)
-        if count:
-            add_keys(own_params)
-            add_values(own_params.values())
-        count = len(own_buffers)
-        add_count(count)
-        if count:
-            add_keys(own_buffers)
-            add_values(own_buffers.values())
-        if children:
-            depth += 1
-            for child_name, child in children.items():
-                if child is not None:
-                    recurse(child, child_name, depth, recurse)
+    # pure-Python walk measured. One call visits a module's children: each child is
+    # copied in the loop, and only a child with children of its own costs a call, so
+    # leaves, most of a tree, cost none. Names and keys are the dict keys themselves,
+    # so a walk allocates nothing per module but list slots (and a view of each
+    # non-empty dict of parameters). visit reaches itself through an argument, not
+    # through its closure: a closure that refers to itself is a reference cycle, which
+    # would keep every module of the tree alive until the cycle collector runs (never,
+    # where training loops disable it).
+    def visit(
+        children: Mapping[str, nn.Module | None], parent: int, recurse: Callable[..., None]
+    ) -> None:
+        structure.append(parent)
+        structure.append(len(children))
+        names.extend(children)
+        for child in children.values():
+            if child is None:
+                holes.append((parent, tuple(map(is_, children.values(), repeat(None)))))
+                continue
+            # nn.Module.__init__ puts the three member dicts in the instance __dict__
+            # (scripted modules too); reading them there skips three attribute lookups.
+            # A traced module has none there: its attribute lookup reaches the scripted
+            # module inside, as named_parameters() and the other named_* functions do.
+            attributes = child.__dict__
+            try:
+                own_params: _Members = attributes["_parameters"]
+                own_buffers: _Members = attributes["_buffers"]
+                grandchildren: Mapping[str, nn.Module | None] = attributes["_modules"]
+            except KeyError:
+                own_params, own_buffers, grandchildren = _members(child)
+            if "forward" in attributes:
+                forwards[len(modules)] = attributes["forward"]
+            add_module(child)
+            add_count(len(own_params))
+            if own_params:
+                add_keys(own_params)
+                add_values(own_params.values())
+            if own_buffers:
+                buffer_counts.append(len(modules) - 1)
+                buffer_counts.append(len(own_buffers))
+                buffer_keys.extend(own_buffers)
+                buffer_values.extend(own_buffers.values())
+            if grandchildren:
+                recurse(grandchildren, len(modules) - 1, recurse)
 
-    visit(root, "", 0, visit)
+    visit({"": root}, -1, visit)
     return _snapshot(
         modules,
         tuple(map(type, modules)),
-        (depths, names),
+        (structure, names, holes),
         forwards,
         # Ids taken in one pass at the end: cheaper than one map per module.
-        (counts, keys, list(map(id, values))),
-    )
-
-
-def _leaf_members(params: _Members, buffers: _Members) -> _MemberCopy:
-    """The members of a module without children, copied as a walk copies them."""
-    if not buffers:
-        return [len(params), 0], list(params), list(map(id, params.values()))
-    return (
-        [len(params), len(buffers)],
-        [*params, *buffers],
-        [*map(id, params.values()), *map(id, buffers.values())],
+        (
+            (counts, keys, list(map(id, values))),
+            (buffer_counts, buffer_keys, list(map(id, buffer_values))),
+        ),
     )
 
 
@@ -350,10 +370,14 @@ def _members(module: nn.Module) -> tuple[_Members, _Members, Mapping[str, nn.Mod
     """``module``'s parameters, buffers and children, read through its attributes.
 
     For modules whose ``__dict__`` lacks them, as a ``torch.jit.trace``d module's does.
-    Parameters and buffers are copied into dicts: the walk iterates them as dicts, and
-    the scripted module's own mappings iterate otherwise.
+    All three are copied into dicts: the walk iterates them as dicts, and the scripted
+    module's own mappings iterate otherwise (over positions, not keys).
     """
-    return dict(module._parameters.items()), dict(module._buffers.items()), module._modules
+    return (
+        dict(module._parameters.items()),
+        dict(module._buffers.items()),
+        dict(module._modules.items()),
+    )
 
 
 def _walk_error(
@@ -433,6 +457,12 @@ def _first_occurrences(names: list[str], ids: list[int]) -> list[str]:
             seen.add(key)
             kept.append(name)
     return kept
+
+
+def _joined(prefixes: Iterable[str], counts: Iterable[int], keys: Iterable[str]) -> list[str]:
+    """Each key joined to its owner's prefix: ``counts`` keys per prefix, in order (in C)."""
+    owners: Iterator[str] = chain.from_iterable(map(repeat, prefixes, counts))
+    return list(map(str.__add__, owners, keys))
 
 
 def _present(names: list[str], ids: list[int]) -> tuple[list[str], list[int]]:
