@@ -310,6 +310,16 @@ DIFFERENCES: Final = (
     ),
     Difference(
         "replicate",
+        "Under `Join`, after each forward",
+        "two flags all-reduced: whether buffers are broadcast next, whether a backward follows",
+        "one flag: a synchronizing forward, whose backward a joined rank then waits to meet",
+        "A forward whose output needs no gradient starts no backward: the joined rank does not "
+        "shadow one. Every other collective is DDP's.",
+        _DISTRIBUTED + "test_replicate_messages_gloo.py"
+        "::test_under_join_a_forward_whose_output_needs_no_gradient_is_not_shadowed",
+    ),
+    Difference(
+        "replicate",
         "`broadcast_buffers`'s default, before torch 2.13",
         "`None`, DDP's from torch 2.13 on: before it, where DDP has no `forward_sync_buffers`, "
         "`None` means `True`",

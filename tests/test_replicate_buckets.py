@@ -131,12 +131,19 @@ def test_by_default_the_first_backward_reduces_every_parameter_in_one_bucket_as_
 
 
 @pytest.mark.usefixtures("one_rank_group")
-def test_by_default_the_buckets_take_the_cap_once_rebuilt_after_the_first_backward() -> None:
+def test_by_default_the_buckets_take_the_cap_once_rebuilt_at_the_second_forward() -> None:
+    """As DDP's: the first backward tells the order; the next forward with grad rebuilds."""
     model = replicate(_six_layers(), bucket_cap_mb=CAP_MB)
     _step(model)
+    assert len(_sizes(model)) == 1
+    with torch.no_grad():
+        model(torch.randn(2, 64))  # no rebuild without grad, as DDP's
+    assert len(_sizes(model)) == 1
+    loss = model(torch.randn(2, 64)).sum()
     sizes = _sizes(model)
     assert len(sizes) > 1
     assert sum(sizes) == sum(_bytes(parameter) for parameter in model.parameters())
+    loss.backward()
 
 
 @pytest.mark.usefixtures("one_rank_group")

@@ -141,9 +141,19 @@ class UnmaterializedParameterError(ContractError):
 class UnusedParameterError(ContractError):
     """A synchronizing backward gave no gradient to a parameter that had to take part.
 
-    Raised by ``replicate`` with ``find_unused_parameters=False`` (DDP's default) at the
-    next forward with grad enabled, where ``DistributedDataParallel`` raises its
+    Raised by ``replicate`` with ``find_unused_parameters=False`` (DDP's default), or
+    with ``static_graph=True`` for a parameter the first synchronizing backward gave one,
+    at the next forward with grad enabled, where ``DistributedDataParallel`` raises its
     ``RuntimeError``; the message starts with DDP's.
+    """
+
+
+class GraphChangedError(ContractError):
+    """A static graph changed: a backward gave a gradient to a parameter the first one did not.
+
+    Raised by ``replicate`` with ``static_graph=True`` in that backward, where
+    ``DistributedDataParallel`` raises its ``RuntimeError``; the message starts with
+    DDP's.
     """
 
 

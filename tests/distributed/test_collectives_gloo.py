@@ -124,18 +124,13 @@ def _numel(model: nn.Module, names: tuple[str, ...]) -> int:
 
 
 def _buckets(rank: int, bucket_cap_mb: float | None, find_unused: bool) -> Results:
-    """Three steps of ours and DDP's with the same keywords: buckets and all-reduces.
-
-    With ``find_unused_parameters`` ours sends each bucket's gradients and one used-flag
-    per parameter; without, the gradients alone.
-    """
+    """Three steps of ours and DDP's with the same keywords: buckets and collectives."""
     mine, raw = _deep(), _deep()
     keywords: dict[str, Any] = {"find_unused_parameters": find_unused}
     if bucket_cap_mb is not None:
         keywords["bucket_cap_mb"] = bucket_cap_mb
     replicate(mine, **keywords)
     ddp = DistributedDataParallel(raw, **keywords)
-    flags = 1 if find_unused else 0
     theirs = DDPRecorder(ddp)
     recorder = Recorder()
     steps: list[tuple[Any, ...]] = []
@@ -150,12 +145,12 @@ def _buckets(rank: int, bucket_cap_mb: float | None, find_unused: bool) -> Resul
         steps.append(
             (
                 sent,
-                [(names, _numel(mine, names) + flags * len(names)) for names in buckets],
+                [(names, _numel(mine, names)) for names in buckets],
                 theirs.take(),
                 [_numel(mine, names) * 4 // MIB for names in buckets],
             )
         )
-    return {"steps": steps, "flags": flags}
+    return {"steps": steps, "find_unused": find_unused}
 
 
 class Normed(nn.Module):
@@ -300,13 +295,19 @@ def test_under_ddps_defaults_the_rebuilt_bucket_launched_first_holds_one_mib_as_
 def test_each_backward_all_reduces_the_buckets_in_launch_order(
     ranks: list[Results], scenario: str
 ) -> None:
-    """What is sent is each bucket's gradients (and used-flags), in order; then a rebuild's
-    broadcast of rank 0's arrival order, where DDP rebuilds (find_unused_parameters=False)."""
+    """What is sent is each bucket's gradients, in order, and with find_unused_parameters
+    the map of used parameters; where DDP rebuilds (find_unused_parameters=False), the
+    second forward first broadcasts rank 0's buckets (their indices, then lengths)."""
     for rank in ranks:
-        rebuilds = rank[scenario]["flags"] == 0
+        find_unused = rank[scenario]["find_unused"]
+        used_map = [("all_reduce", LAYERS)] if find_unused else []
         for step, (sent, buckets, _, _) in enumerate(rank[scenario]["steps"]):
-            rebuild = [("broadcast", LAYERS)] if step == 0 and rebuilds else []
-            assert sent == [("all_reduce", size) for _, size in buckets] + rebuild
+            rebuild = (
+                [("broadcast", LAYERS + 1), ("broadcast", len(buckets))]
+                if step == 1 and not find_unused
+                else []
+            )
+            assert sent == rebuild + [("all_reduce", size) for _, size in buckets] + used_map
 
 
 @pytest.mark.parametrize("scenario", BUCKETS)
@@ -314,10 +315,8 @@ def test_buckets_and_their_order_equal_ddps_in_every_backward(
     ranks: list[Results], scenario: str
 ) -> None:
     for rank in ranks:
-        flags = rank[scenario]["flags"]
         for _, buckets, ddp_buckets, _ in rank[scenario]["steps"]:
-            mine = [(tuple(sorted(names)), size - flags * len(names)) for names, size in buckets]
-            assert mine == ddp_buckets
+            assert [(tuple(sorted(names)), size) for names, size in buckets] == ddp_buckets
 
 
 # ----------------------------------------------------------------- buffers, local backwards

@@ -78,9 +78,15 @@ CASES: Final[dict[str, tuple[Callable[[], dict[str, Any]], bool]]] = {
         lambda: {"find_unused_parameters": True},
         False,
     ),
+    "find_unused_parameters=True, side unused on rank 1": (
+        lambda: {"find_unused_parameters": True},
+        False,
+    ),
     "static_graph": (lambda: {"static_graph": True}, False),
     # DDP finds a static graph's unused parameters in its first iteration: no error.
     "static_graph, side unused": (lambda: {"static_graph": True}, False),
+    # Used on some rank: averaged every step, with zeros from rank 1.
+    "static_graph, side unused on rank 1": (lambda: {"static_graph": True}, False),
     "device_mesh": (lambda: {"device_mesh": init_device_mesh("cpu", (2,))}, False),
     "gradient_as_bucket_view": (lambda: {"gradient_as_bucket_view": True}, False),
     "gradient_as_bucket_view, zeroed": (lambda: {"gradient_as_bucket_view": True}, False),
@@ -93,7 +99,9 @@ def _gap(name: str, rank: int) -> float:
     keywords, differ = CASES[name]
     seed = rank if differ else 0
     set_to_none = not name.endswith("zeroed")
-    use_side = not name.endswith("side unused")
+    use_side = not name.endswith("side unused") and not (
+        name.endswith("side unused on rank 1") and rank == 1
+    )
     mine = replicate(_model(seed), **keywords())
     ours = _train(mine, mine, rank, set_to_none, use_side)
     raw = _model(seed)
@@ -124,6 +132,29 @@ def _unused_error(model: nn.Module, raw: Net, rank: int) -> Unused:
         moment = f"forward {step}"
         try:
             loss = model(x, use_side=False).sum()
+            moment = f"backward {step}"
+            loss.backward()
+        except RuntimeError as error:
+            return Unused(moment, str(error), type(error).__name__, grads)
+        grads = _plain(p.grad for p in raw.parameters())
+    return Unused("", "", "", grads)
+
+
+#: A static graph that changes, by name: whether ``side`` takes part, step by step.
+STATIC_CHANGES: Final = {
+    "used first, then not": (True, False, True),
+    "unused first, then used": (False, True, True),
+}
+
+
+def _static_change(model: nn.Module, raw: Net, rank: int, uses: tuple[bool, ...]) -> Unused:
+    """Steps under ``static_graph`` whose use of ``side`` changes: when and what raised."""
+    grads: list[list[float] | None] = []
+    for step, use_side in enumerate(uses, start=1):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank + step))
+        moment = f"forward {step}"
+        try:
+            loss = model(x, use_side=use_side).sum()
             moment = f"backward {step}"
             loss.backward()
         except RuntimeError as error:
@@ -228,6 +259,8 @@ class Report:
     theirs_unused_views: list[list[float] | None]
     #: By buffer case: the buffers after apply and each step, ours then DDP's.
     buffers: dict[str, tuple[list[list[float]], list[list[float]]]]
+    #: By static graph change: what raised, ours then DDP's.
+    static_changes: dict[str, tuple[Unused, Unused]]
 
 
 def _job(rank: int, world_size: int) -> Report:
@@ -257,7 +290,15 @@ def _job(rank: int, world_size: int) -> Report:
             name: (_buffer_history(keywords, rank, False), _buffer_history(keywords, rank, True))
             for name, keywords in BUFFER_CASES.items()
         },
+        {name: _static_changes(uses, rank) for name, uses in STATIC_CHANGES.items()},
     )
+
+
+def _static_changes(uses: tuple[bool, ...], rank: int) -> tuple[Unused, Unused]:
+    mine = replicate(_model(0), static_graph=True)
+    raw = _model(0)
+    ddp = DistributedDataParallel(raw, static_graph=True)
+    return _static_change(mine, mine, rank, uses), _static_change(ddp, raw, rank, uses)
 
 
 @pytest.fixture(scope="module")
@@ -349,3 +390,41 @@ def test_broadcast_buffers_false_keeps_rank_local_buffers_at_apply(results: list
     if "forward_sync_buffers=False" in BUFFER_CASES:
         # forward_sync_buffers=False still copies rank 0's buffers at apply, as DDP.
         assert results[1].buffers["forward_sync_buffers=False"][0][0][:8] == [0.0] * 8
+
+
+def test_a_parameter_a_static_graph_used_first_then_not_raises_ddps_error_at_the_next_forward(
+    results: list[Report],
+) -> None:
+    for report in results:
+        ours, theirs = report.static_changes["used first, then not"]
+        assert ours.moment == theirs.moment == "forward 3"
+        assert theirs.error_type == "RuntimeError"
+        assert ours.error_type == "UnusedParameterError"
+        ddps = theirs.error.split("\n")[0]
+        assert ddps.endswith("this is not compatible with static_graph set to True.")
+        assert ours.error == (
+            f"{ddps} replicate on Net got no gradient for 'side.weight', 'side.bias' in the "
+            "last synchronizing backward, which the first one gave one; with static_graph=True "
+            "every synchronizing backward uses the parameters the first one used: pass "
+            "static_graph=False, and find_unused_parameters=True where some go unused"
+        )
+        # As DDP's, nothing was averaged in the backward that left them out.
+        assert ours.grads == theirs.grads
+
+
+def test_a_parameter_a_static_graph_left_unused_first_raises_ddps_error_in_the_backward(
+    results: list[Report],
+) -> None:
+    for report in results:
+        ours, theirs = report.static_changes["unused first, then used"]
+        assert ours.moment == theirs.moment == "backward 2"
+        assert theirs.error_type == "RuntimeError"
+        assert ours.error_type == "GraphChangedError"
+        ddps = theirs.error.split("\n")[0]
+        assert ours.error.startswith(ddps)
+        assert ours.error.endswith(
+            "replicate on Net: parameter 'side.bias' got a gradient in this synchronizing "
+            "backward and none in the first; with static_graph=True every synchronizing "
+            "backward uses the parameters the first one used: pass static_graph=False, and "
+            "find_unused_parameters=True where some go unused"
+        )

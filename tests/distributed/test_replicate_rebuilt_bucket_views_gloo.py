@@ -1,11 +1,11 @@
 """``gradient_as_bucket_view`` with rebuilt buckets, against DDP's on 2 gloo ranks.
 
 With ``find_unused_parameters=False`` and a cap of a few KiB, both
-sides rebuild their buckets after the first step in the order gradients arrived
-(ours at the end of that backward, DDP's at the next forward), and the rebuilt
-buckets differ from the first ones. Then every gradient is a view of its new
-bucket, on both sides alike, before the next backward: no gradient is left in
-a bucket buffer of the first assignment.
+sides rebuild their buckets after the first step in the order gradients arrived,
+at the next forward, and the rebuilt buckets differ from the first ones. Until
+then the gradients live in the first bucket buffer, on both sides alike; from
+then on every gradient is a view of its new bucket, before the next backward:
+no gradient is left in a bucket buffer of the first assignment.
 """
 
 from __future__ import annotations
@@ -40,10 +40,12 @@ def _sorted(groups: Iterable[Iterable[str]]) -> Groups:
 
 @attrs.frozen
 class Report:
-    #: Ours: the record's buckets after the first backward and before it, and the
-    #: gradients' storages after it.
+    #: Ours: the record's buckets after the second forward and before the first
+    #: backward, and the gradients' storages after the first backward and after the
+    #: second forward.
     ours_buckets: Groups
     ours_first: Groups
+    ours_after_backward: Groups
     ours: Groups
     #: DDP's gradients' storages after the first backward, and after the second forward.
     theirs_first: Groups
@@ -65,8 +67,11 @@ def _job(rank: int, world_size: int) -> Report:
     )
     ours_first = _sorted(replicate.state(mine).buckets)
     torch.autograd.backward(_step(mine, rank, 0))
+    ours_after_backward = _groups(mine)
+    loss = _step(mine, rank, 1)  # the rebuild, as DDP's
     ours = _groups(mine)
     buckets = _sorted(replicate.state(mine).buckets)
+    torch.autograd.backward(loss)
     raw = seeded_net()
     ddp = DistributedDataParallel(
         raw, bucket_cap_mb=CAP_MB, find_unused_parameters=False, gradient_as_bucket_view=True
@@ -76,7 +81,7 @@ def _job(rank: int, world_size: int) -> Report:
     loss = _step(ddp, rank, 1)  # DDP rebuilds its buckets at this forward
     theirs = _groups(raw)
     torch.autograd.backward(loss)
-    return Report(buckets, ours_first, ours, theirs_first, theirs)
+    return Report(buckets, ours_first, ours_after_backward, ours, theirs_first, theirs)
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +101,10 @@ def test_after_a_rebuild_each_gradient_is_a_view_of_its_new_bucket_as_ddps(
     for report in reports:
         assert report.ours == report.ours_buckets
         assert report.ours == report.theirs
+
+
+def test_until_the_rebuild_the_gradients_live_in_the_first_bucket_as_ddps(
+    reports: list[Report],
+) -> None:
+    for report in reports:
+        assert report.ours_after_backward == report.theirs_first == report.ours_first

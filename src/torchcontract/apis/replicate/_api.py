@@ -83,13 +83,8 @@ class _ForwardHooks:
             after_forward(self._reducer, module, output)
 
 
-def _count_synchronization(module: nn.Module, buckets: tuple[tuple[str, ...], ...] | None) -> None:
-    replicate.update(
-        module,
-        lambda record: attrs.evolve(
-            record, step=record.step + 1, buckets=record.buckets if buckets is None else buckets
-        ),
-    )
+def _count_synchronization(module: nn.Module) -> None:
+    replicate.update(module, lambda record: attrs.evolve(record, step=record.step + 1))
 
 
 def _group(module: nn.Module, process_group: object) -> dist.ProcessGroup:
@@ -349,9 +344,10 @@ def replicate(
             every parameter some rank used since the last synchronization, leaves
             alone those no rank used, and never rebuilds the buckets.
         static_graph: As DDP's: the promise that every iteration uses the same
-            parameters; those unused in the first synchronizing backward may stay
-            unused, and the buckets are rebuilt once, after the second, in the
-            order gradients arrived. The numbers do not change.
+            parameters. The first synchronizing backward finds which take part (those
+            unused there may stay unused) and which some rank used, once; the buckets
+            are rebuilt once, after the second, in the order gradients arrived. The
+            numbers do not change.
         gradient_as_bucket_view: As DDP's: after a synchronized backward each
             averaged ``.grad`` is a view into its bucket's buffer, so the model
             holds one copy of its gradients instead of two; the next backward
@@ -388,7 +384,10 @@ def replicate(
     Raises:
         ContractError: No process group is initialized.
         UnusedParameterError: With ``find_unused_parameters=False``, at the forward
-            after a synchronizing backward in which a parameter got no gradient.
+            after a synchronizing backward in which a parameter got no gradient; with
+            ``static_graph``, one the first synchronizing backward gave a gradient.
+        GraphChangedError: With ``static_graph``, in a synchronizing backward that
+            gives a gradient to a parameter the first one left unused.
         ModelMismatchError: The ranks hold different models (raised on every rank).
         InvalidTargetError: ``module`` has no parameter that requires a gradient, or
             is a list.
@@ -444,7 +443,7 @@ def replicate(
     if group.size() > 1 and init_sync:
         check_same_model(module, group, named[0][1].device)
         synced = [*module.parameters(), *(module.buffers() if buffers.at_apply else ())]
-        broadcast_from_first_rank(synced, group, cap_bytes)
+        broadcast_from_first_rank(synced, group)
     reducer = Reducer(
         module,
         replicate.application(module),

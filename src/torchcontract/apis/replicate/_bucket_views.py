@@ -1,8 +1,7 @@
 """Bucket buffers and their views: one flat buffer per bucket, one view per parameter.
 
-A bucket's buffer holds its parameters' gradients one after another, then (where the
-used-flags travel with the gradients) one flag per parameter; each parameter's view
-has the parameter's shape, made once with the buffer and kept across backwards, as
+A bucket's buffer holds its parameters' gradients one after another; each
+parameter's view has the parameter's shape, made once with the buffer and kept across backwards, as
 DDP's. Gradients are copied in scaled; the averages are written back into ``.grad``,
 or, with ``gradient_as_bucket_view``, ``.grad`` is left as the view itself.
 """
@@ -22,27 +21,19 @@ __all__ = ["ParameterOf", "copy_in", "new_buffer", "point_into_bucket", "split",
 ParameterOf = Callable[[int], Tensor]
 
 
-def new_buffer(
-    bucket: Sequence[int], parameter: ParameterOf, flags: int
-) -> tuple[Tensor, list[Tensor]]:
-    """A bucket's flat buffer, with room for ``flags`` used-flags, and its views."""
+def new_buffer(bucket: Sequence[int], parameter: ParameterOf) -> tuple[Tensor, list[Tensor]]:
+    """A bucket's flat buffer and its views."""
     first = parameter(bucket[0])
     size = sum(parameter(index).numel() for index in bucket)
-    flat = torch.empty(size + flags, dtype=first.dtype, device=first.device)
+    flat = torch.empty(size, dtype=first.dtype, device=first.device)
     return flat, split(bucket, parameter, flat)
 
 
 def split(bucket: Sequence[int], parameter: ParameterOf, flat: Tensor) -> list[Tensor]:
-    """Views of a bucket-sized ``flat``, one per parameter in its shape, then the rest.
-
-    The rest is the used-flags, empty with a communication hook.
-    """
+    """Views of a bucket-sized ``flat``, one per parameter in its shape."""
     parameters = [parameter(index) for index in bucket]
-    sizes = [each.numel() for each in parameters]
-    pieces = torch.split(flat, [*sizes, flat.numel() - sum(sizes)])
-    views = [piece.view(each.shape) for piece, each in zip(pieces[:-1], parameters, strict=True)]
-    views.append(pieces[-1])
-    return views
+    pieces = torch.split(flat, [each.numel() for each in parameters])
+    return [piece.view(each.shape) for piece, each in zip(pieces, parameters, strict=True)]
 
 
 def copy_in(

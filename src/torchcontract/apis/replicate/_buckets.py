@@ -7,9 +7,9 @@ cannot know the order gradients arrive in); the rebuild (``_rebuild``) then take
 the caps. With ``find_unused_parameters=True`` the caps hold from the start, and
 under the default cap the bucket of the parameters defined first (launched last)
 holds 1 MiB, the others ``bucket_cap_mb``. The reducer's buckets are DDP's
-(``assign_buckets_as_ddp``: a bucket closes once it holds its cap); broadcasts go
-in chunks of at most the cap (``assign_buckets``: a tensor larger than the cap
-gets a chunk of its own).
+(``assign_buckets_as_ddp``: a bucket closes once it holds its cap). Broadcasts of
+parameters and buffers go in chunks of at most DDP's ``broadcast_bucket_size``
+(``assign_buckets``: a tensor larger than that gets a chunk of its own).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch import Tensor
 from .. import _torch
 
 __all__ = [
+    "BROADCAST_BUCKET_BYTES",
     "FIRST_BUCKET_BYTES",
     "assign_buckets",
     "assign_buckets_as_ddp",
@@ -91,21 +92,26 @@ def assign_buckets_as_ddp(
     return buckets + opened
 
 
-def broadcast_from_first_rank(
-    tensors: Sequence[Tensor], group: dist.ProcessGroup, cap_bytes: int
-) -> None:
+#: DDP's ``broadcast_bucket_size``, whatever ``bucket_cap_mb`` is: the largest chunk of
+#: its broadcasts of parameters and buffers (at apply, before a forward, Join's last sync).
+BROADCAST_BUCKET_BYTES: Final = 250 * 1024 * 1024
+
+
+def broadcast_from_first_rank(tensors: Sequence[Tensor], group: dist.ProcessGroup) -> None:
     """Overwrite ``tensors`` with the group's first rank's values, in flat chunks per kind."""
-    broadcast_from(tensors, group, cap_bytes, 0)
+    broadcast_from(tensors, group, 0)
 
 
-def broadcast_from(
-    tensors: Sequence[Tensor], group: dist.ProcessGroup, cap_bytes: int, source_rank: int
-) -> None:
-    """Overwrite ``tensors`` with group rank ``source_rank``'s values, in flat chunks per kind."""
+def broadcast_from(tensors: Sequence[Tensor], group: dist.ProcessGroup, source_rank: int) -> None:
+    """Overwrite ``tensors`` with group rank ``source_rank``'s values, in flat chunks per kind.
+
+    Chunks of at most ``BROADCAST_BUCKET_BYTES``, as DDP's ``_broadcast_coalesced``.
+    """
     if not tensors:
         return
+    cap = BROADCAST_BUCKET_BYTES
     with torch.no_grad():
-        for chunk in assign_buckets(tensors, range(len(tensors)), cap_bytes, cap_bytes):
+        for chunk in assign_buckets(tensors, range(len(tensors)), cap, cap):
             members = [tensors[index] for index in chunk]
             flat = torch.cat([tensor.reshape(-1) for tensor in members])
             _torch.broadcast(flat, source_rank, group)

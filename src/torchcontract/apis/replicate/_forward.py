@@ -1,7 +1,8 @@
 """The forward of a replicated module, as DDP's: buffers broadcast before, outputs armed after.
 
 Before a forward (``before_forward``): DDP's error for a backward that left a
-parameter without gradient, then rank 0's buffers broadcast where DDP would. After it
+parameter without gradient, the buckets' rebuild once it is due, then rank 0's
+buffers broadcast where DDP would. After it
 (``after_forward``): the tensors of a synchronizing forward's output that require grad
 are armed, so the first backward through them synchronizes. Under Join the joined
 ranks are told what follows (``_join`` meets these collectives).
@@ -35,7 +36,7 @@ __all__ = [
 
 
 def before_forward(reducer: Reducer, module: nn.Module) -> None:
-    """Forward pre-hook body: broadcast rank 0's buffers when DDP would."""
+    """Forward pre-hook body: DDP's checks, rebuild and buffer broadcast, where DDP's run."""
     record = reducer.record(module)
     if record is None:
         return
@@ -50,6 +51,8 @@ def before_forward(reducer: Reducer, module: nn.Module) -> None:
     # Under Join, tell the joined ranks this one has not joined (the sum is the
     # count of ranks not joined); None outside Join.
     reducer.active_ranks = Join.notify_join_context(cast(Joinable, module))
+    if torch.is_grad_enabled():
+        reducer.rebuild_if_due(module)  # DDP's _rebuild_buckets, at the same moment
     if will_broadcast_buffers(reducer, record):
         # Under Join rank 0 may have joined, its buffers stale: as DDP, the last
         # rank not joined is the source.
@@ -70,7 +73,7 @@ def will_broadcast_buffers(reducer: Reducer, record: ReplicateState) -> bool:
 def broadcast_buffers(reducer: Reducer, module: nn.Module, source: int) -> None:
     """Overwrite ``module``'s buffers with group rank ``source``'s (a collective)."""
     # Read the buffers anew each time, as DDP does: a forward may have replaced one.
-    broadcast_from(list(module.buffers()), reducer.group, reducer.cap_bytes, source)
+    broadcast_from(list(module.buffers()), reducer.group, source)
 
 
 def common_rank(reducer: Reducer, candidate: bool) -> int:

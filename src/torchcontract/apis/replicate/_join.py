@@ -2,10 +2,10 @@
 
 Under ``torch.distributed.algorithms.Join``, a rank whose inputs ran out calls
 ``main_hook`` once per iteration the others still run, which meets their
-collectives: the buffer broadcast (from the last rank not joined), whether a
-synchronizing backward follows, and then its all-reduces with zeros
-(``Reducer.shadow_backward``). At the end every rank calls ``post_hook``, and all
-take the model of the last rank to join.
+collectives: the rebuilt buckets' broadcasts, the buffer broadcast (from the last
+rank not joined), whether a synchronizing backward follows, and then its all-reduces
+with zeros (``Reducer.shadow_backward``). At the end every rank calls ``post_hook``,
+and all take the model of the last rank to join.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class ReplicateJoinHook(JoinHook):
         record = reducer.record(module)
         if record is None:
             return
+        reducer.rebuild_if_due(module)  # where the others rebuild at their forward
         if will_broadcast_buffers(reducer, record):
             broadcast_buffers(reducer, module, common_rank(reducer, False))
         flags = torch.zeros(2, device=reducer.device)
@@ -63,4 +64,4 @@ class ReplicateJoinHook(JoinHook):
         tensors: list[Tensor] = [*module.parameters()]
         if record.broadcast_buffers:
             tensors.extend(module.buffers())
-        broadcast_from(tensors, reducer.group, reducer.cap_bytes, source)
+        broadcast_from(tensors, reducer.group, source)

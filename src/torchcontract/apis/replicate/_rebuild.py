@@ -2,8 +2,8 @@
 
 The first assignment takes ``first_limits``; once rebuilt (after the first
 synchronizing backward, or the second with ``static_graph``, and only where DDP
-rebuilds), the buckets follow ``rebuild_order``, the first rank's arrival order, with
-``limits``.
+rebuilds), the buckets follow the order gradients arrived in, with ``limits``: the
+first rank's buckets, which ``first_ranks_buckets`` sends to the others.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from .. import _torch
 from ._buckets import FIRST_BUCKET_BYTES
 
-__all__ = ["first_limits", "limits", "rebuild_order"]
+__all__ = ["first_limits", "first_ranks_buckets", "limits"]
 
 
 def first_limits(
@@ -44,18 +44,31 @@ def limits(cap_list: tuple[int, ...], default_cap: bool, cap_bytes: int) -> tupl
     return (cap_bytes,)
 
 
-def rebuild_order(
-    arrival: Sequence[int], count: int, group: dist.ProcessGroup, device: torch.device
-) -> list[int]:
-    """The first rank's arrival order, on every rank (a collective where the group has more).
+def first_ranks_buckets(
+    buckets: Sequence[Sequence[int]], group: dist.ProcessGroup, device: torch.device
+) -> list[list[int]]:
+    """The first rank's ``buckets`` (parameter indices), on every rank of ``group``.
 
-    Parameters that did not arrive (a static graph's unused ones) come last, in the
-    order they are defined, as DDP's reducer appends them. The broadcast runs on
-    ``device``, the parameters' (DDP's ``sync_bucket_indices`` copies to it too).
+    DDP's ``sync_bucket_indices``: two broadcasts of int32 on ``device``, the
+    parameters' (an NCCL group broadcasts only there): every index, bucket by bucket,
+    then the number of buckets; then each bucket's length. Nothing is sent on a group
+    of one.
     """
-    arrived = set(arrival)
-    order = [*arrival] + [i for i in range(count) if i not in arrived]
-    shared = torch.tensor(order, dtype=torch.int64, device=device)  # the first rank's, everywhere
-    if group.size() > 1:
-        _torch.broadcast(shared, 0, group)
-    return _torch.to_ints(shared)
+    if group.size() == 1:
+        return [list(bucket) for bucket in buckets]
+    lengths = [len(bucket) for bucket in buckets]
+    flat = [index for bucket in buckets for index in bucket]
+    indices = _torch.host_values_on([*flat, len(buckets)], torch.int32, device)
+    _torch.broadcast(indices, 0, group)
+    *flat, count = _torch.to_ints(indices)
+    # A rank with fewer buckets than the first fills the rest with its last length,
+    # as DDP's: the first rank's lengths overwrite them.
+    sizes = [lengths[min(position, len(lengths) - 1)] for position in range(count)]
+    shared = _torch.host_values_on(sizes, torch.int32, device)
+    _torch.broadcast(shared, 0, group)
+    result: list[list[int]] = []
+    start = 0
+    for length in _torch.to_ints(shared):
+        result.append(flat[start : start + length])
+        start += length
+    return result

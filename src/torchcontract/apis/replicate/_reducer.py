@@ -18,20 +18,27 @@ Semantics are those of ``DistributedDataParallel``, keyword for keyword:
   either, every parameter must get a gradient in every synchronizing backward:
   where one did not, no gradient is averaged and the next forward raises DDP's
   error (``UnusedParameterError``).
+* With ``find_unused_parameters``, the map of parameters used on this rank is
+  all-reduced once per synchronizing backward, after the buckets, and read back
+  only where this rank left one unused, as DDP's.
+* With ``static_graph``, as DDP's: the first synchronizing backward is reduced all
+  at its end, the map of used parameters all-reduced first, and what it found is
+  fixed (``StaticGraph``): later ones send no map and read nothing back; the
+  parameters it left unused on this rank are ready from their start, and one that
+  gets a gradient raises DDP's error in that backward (``GraphChangedError``), one
+  the first gave a gradient and this one did not at the next forward
+  (``UnusedParameterError``).
 * Buckets are all-reduced asynchronously, strictly in order, each as soon as all
   of its parameters' gradients arrived in this backward; the rest at the end.
   They are DDP's in every backward, hook or not: first assigned by DDP's rule
   (``assign_buckets_as_ddp`` over the parameters in definition order, launched
   last first; one bucket per kind with ``find_unused_parameters=False`` or
   ``static_graph``), then, with either of those only, rebuilt once in the order
-  gradients arrived on the first rank: after the first synchronizing backward,
-  or the second with ``static_graph``, as DDP's.
-* Without a hook, each bucket also carries the used-flags of its parameters
-  (with ``find_unused_parameters``), so whether a parameter was used travels
-  with its gradients. With a communication hook (``register_comm_hook``) each
-  bucket's buffer holds the gradients alone, undivided, and the hook reduces
-  it; whether a parameter was used is then all-reduced once per backward, after
-  the buckets, as DDP does.
+  gradients arrived (after the first synchronizing backward, or the second with
+  ``static_graph``) at the next forward with grad enabled, the first rank's
+  buckets broadcast to the others (``rebuild_if_due``), as DDP's.
+* A bucket's buffer holds its gradients alone, divided by the group's size, or
+  undivided for a communication hook (``register_comm_hook``), which reduces it.
 * Under ``torch.distributed.algorithms.Join`` (``_join``), a rank whose inputs
   ran out meets the others' collectives with zeros (``shadow_backward``).
 
@@ -70,14 +77,20 @@ from .._let_go import Collective
 from ._bucket_views import copy_in, new_buffer, point_into_bucket, split, write_back
 from ._buckets import FIRST_BUCKET_BYTES, assign_buckets_as_ddp
 from ._comm_hook import Bucket, CommHook, hook_result
-from ._rebuild import first_limits, limits, rebuild_order
+from ._rebuild import first_limits, first_ranks_buckets, limits
 from ._state import ReplicateState
-from ._unused import unused_error, used_flags, used_from_flags, used_on_some_rank
+from ._unused import (
+    StaticGraph,
+    graph_changed_error,
+    static_unused_error,
+    unused_error,
+    used_on_some_rank,
+)
 
 __all__ = ["Reducer", "reducer_of"]
 
-#: Called at the end of each synchronized backward, with the new buckets once rebuilt.
-OnSynchronized = Callable[[nn.Module, tuple[tuple[str, ...], ...] | None], None]
+#: Called at the end of each synchronized backward.
+OnSynchronized = Callable[[nn.Module], None]
 #: ``replicate.update``: apply a transition to the module's record.
 Update = Callable[[nn.Module, Callable[[ReplicateState], ReplicateState]], ReplicateState]
 
@@ -127,16 +140,19 @@ class Reducer:
         self._cap_list = tuple(cap_list)  # DDP's bucket_cap_mb_list, in bytes
         # Whether parameters may go unused: DDP's find_unused_parameters, or a static
         # graph (whose unused parameters DDP finds in its first iteration). Without
-        # either no used-flags are kept, and every parameter must take part in every
-        # synchronized backward.
+        # either no map of used parameters is kept, and every parameter must take part
+        # in every synchronized backward.
         self._tracks_used = find_unused or static_graph
         #: DDP's gradient_as_bucket_view: ``.grad`` left as a view into the bucket buffer.
         self.gradient_as_bucket_view = gradient_as_bucket_view
         # DDP's should_rebuild_buckets: once, and only with a static graph or without
         # unused parameters found; then from the arrival order of the first
         # synchronized backward, or of the second with a static graph (whose first
-        # DDP reduces all at once, at its end).
+        # DDP reduces all at once, at its end), at the next forward with grad enabled.
         self._static_graph = static_graph
+        #: A static graph's, once its first synchronizing backward ended: which parameters
+        #: arrive and which some rank used, from then on. None before, and without one.
+        self._settled: StaticGraph | None = None
         self._rebuilds = static_graph or not find_unused
         self._backwards_before_rebuild = 1 if static_graph else 0
         self.update: Final = update
@@ -152,8 +168,11 @@ class Reducer:
         count = len(named)
         self._used = [False] * count  # accumulated into since the last synchronization
         # The arrival order of this synchronized backward, while the buckets are still to
-        # be rebuilt; None once rebuilt, or where DDP never rebuilds them.
+        # be rebuilt; None once known, or where DDP never rebuilds them.
         self._arrival: list[int] | None = [] if self._rebuilds else None
+        # The arrival order the buckets are rebuilt from at the next forward with grad
+        # enabled (``rebuild_if_due``); None until it is known, and once rebuilt.
+        self._rebuild_from: list[int] | None = None
         # Set by a synchronized backward in which some parameters got no gradient (without
         # unused parameters found): the error the next forward raises, as DDP's.
         self.unfinished: UnusedParameterError | None = None
@@ -178,11 +197,6 @@ class Reducer:
         """The group gradients are averaged over."""
         return self._group
 
-    @property
-    def cap_bytes(self) -> int:
-        """The bucket cap, in bytes: broadcasts go in chunks of it too."""
-        return self._cap_bytes
-
     def where(self) -> str:
         """How errors name this application: ``replicate on <class> '<fqn>'``."""
         module = self._module()
@@ -204,9 +218,10 @@ class Reducer:
 
     def _set_buckets(self, buckets: Sequence[Sequence[int]]) -> None:
         self._buckets = tuple(tuple(bucket) for bucket in buckets)
-        # Per bucket, allocated at its first launch: a flat buffer (the gradients, then
-        # one used-flag per parameter) and its views, one per parameter in the
-        # parameter's shape and then the flags; kept across backwards, as DDP's.
+        self._count_due()
+        # Per bucket, allocated at its first launch: a flat buffer of its gradients and
+        # its views, one per parameter in the parameter's shape; kept across backwards,
+        # as DDP's.
         self._flats: list[Tensor] = [torch.empty(0)] * len(self._buckets)
         self._views: list[list[Tensor] | None] = [None] * len(self._buckets)
         self._bucket_of = [0] * len(self._names)
@@ -246,11 +261,23 @@ class Reducer:
             with contextlib.suppress(RuntimeError):
                 work.wait()
         self._task = -1
-        self._waiting = [len(bucket) for bucket in self._buckets]
+        self._waiting = list(self._due)
         self._arrived = [False] * len(self._names)  # in the synchronized backward running
         self._next = 0  # the next bucket to launch: buckets launch strictly in order
         self._launched = []
         self._active_count: int | None = None  # Join: the ranks not joined, once read
+
+    def _count_due(self) -> None:
+        """Per bucket, the gradients a synchronizing backward waits for before launching it.
+
+        Every parameter's, or a settled static graph's arriving ones only: the others
+        are ready from the start, as DDP marks them ready at a backward's first hook.
+        """
+        settled = self._settled
+        self._due = [
+            len(bucket) if settled is None else sum(settled.arrives[index] for index in bucket)
+            for bucket in self._buckets
+        ]
 
     # ------------------------------------------------------------ backward
 
@@ -265,6 +292,8 @@ class Reducer:
             self._reset_backward()
         self._task = task
         _torch.queue_callback(self._finish)
+        if self._settled is not None:
+            self._launch_complete()  # buckets of parameters a static graph leaves unused
 
     def ready(self, index: int) -> None:
         """A parameter's gradient was accumulated: mark it used; launch what is complete."""
@@ -273,48 +302,68 @@ class Reducer:
             # A local backward, or a nested one (a reentrant checkpoint's): its
             # gradients are averaged with the rest at the end of the synchronizing one.
             return
+        if self._settled is not None and not self._settled.arrives[index]:
+            raise graph_changed_error(self._names[index], self.where)
         if self._arrival is not None:
             self._arrival.append(index)
         self._arrived[index] = True
-        bucket = self._bucket_of[index]
-        self._waiting[bucket] -= 1
+        self._waiting[self._bucket_of[index]] -= 1
+        if not self._delays_reduction:
+            self._launch_complete()
+
+    @property
+    def _delays_reduction(self) -> bool:
+        """Whether buckets wait for the end of the backward: a static graph's first (DDP's)."""
+        return self._static_graph and self._settled is None
+
+    def _launch_complete(self) -> None:
+        """Launch, in order, each bucket whose gradients all arrived, up to one that has not."""
         while self._next < len(self._buckets) and self._waiting[self._next] == 0:
             self._launch(self._next)
             self._next += 1
 
+    def _launch_rest(self) -> None:
+        """Launch every bucket not launched yet, in order, complete or not (the backward ended)."""
+        while self._next < len(self._buckets):
+            self._launch(self._next)
+            self._next += 1
+
+    def _settle(self, used: Sequence[bool]) -> None:
+        """Fix what a static graph's first synchronizing backward found, for every later one."""
+        self._settled = StaticGraph(tuple(self._arrived), tuple(used))
+        self._count_due()
+
     def _launch(self, position: int) -> None:
-        """Start averaging one bucket: every rank's ``.grad`` (or zeros) and whether it was used."""
+        """Start averaging one bucket: every rank's ``.grad``, or zeros where it has none.
+
+        Divided by the group's size first; undivided for a communication hook, which
+        reduces (and divides), as with DDP.
+        """
         bucket = self._buckets[position]
         views = self._views[position]
         if views is None:
             views = self._allocate(position)
         flat = self._flats[position]
         grads = [self._parameter(index).grad for index in bucket]
-        if not self._flags_in_buckets:
-            # Without flags; with a hook, undivided (it reduces and divides, as with DDP).
-            if self._comm_hook is None:
-                self._copy_in(bucket, grads, views, 1.0 / self._divisor())
-                self._launched.append((position, _torch.all_reduce(flat, self._group)))
-                return
-            self._copy_in(bucket, grads, views, 1.0)
-            self._launched.append((position, self._run_comm_hook(position, flat, views[:-1])))
-            return
+        scale = 1.0 if self._comm_hook is not None else 1.0 / self._divisor()
         # As DDP: multiply by the reciprocal (bit-equal averages). A small bucket whose
         # gradients are all present and dense takes one copy of them all and one
         # in-place multiply, both in C (a Python call per parameter would cost more
         # than the second pass); a large one is scaled while copied in, in one pass,
         # parameter by parameter.
-        scale = 1.0 / self._divisor()
-        flags = used_flags(self._used, bucket, flat)
         dense = [grad for grad in grads if grad is not None and not grad.is_sparse]
-        small = flat.numel() * flat.element_size() <= FIRST_BUCKET_BYTES
-        if small and len(dense) == len(grads):
-            _torch.copy_each(views, [*dense, flags])
-            flat.mul_(scale)
+        if len(dense) == len(grads) and flat.numel() * flat.element_size() <= FIRST_BUCKET_BYTES:
+            _torch.copy_each(views, dense)
+            if scale != 1.0:
+                flat.mul_(scale)
         else:
             self._copy_in(bucket, grads, views, scale)
-            views[-1].copy_(flags.mul_(scale))
-        self._launched.append((position, _torch.all_reduce(flat, self._group)))
+        pending: Collective | torch.futures.Future[Tensor]
+        if self._comm_hook is None:
+            pending = _torch.all_reduce(flat, self._group)
+        else:
+            pending = self._run_comm_hook(position, flat, views)
+        self._launched.append((position, pending))
 
     def _divisor(self) -> int:
         """What the sums are divided by: the group's size, or (Join) the ranks not joined.
@@ -364,15 +413,13 @@ class Reducer:
 
     def _allocate(self, position: int) -> list[Tensor]:
         """Make a bucket's flat buffer, kept across backwards, and its views per parameter."""
-        bucket = self._buckets[position]
-        flags = len(bucket) if self._flags_in_buckets else 0
-        flat, views = new_buffer(bucket, self._parameter, flags)
+        flat, views = new_buffer(self._buckets[position], self._parameter)
         self._flats[position] = flat
         self._views[position] = views
         return views
 
     def _split(self, position: int, flat: Tensor) -> list[Tensor]:
-        """Views of a bucket-sized ``flat``, one per parameter in its shape, then the rest."""
+        """Views of a bucket-sized ``flat``, one per parameter in its shape."""
         return split(self._buckets[position], self._parameter, flat)
 
     def _parameter(self, index: int) -> Tensor:
@@ -386,7 +433,6 @@ class Reducer:
 
     def _finish(self) -> None:
         """Run by the autograd engine at the end of a synchronizing backward."""
-        rebuilt: tuple[tuple[str, ...], ...] | None = None
         try:
             self.unfinished = self._unused_error()
             if self.unfinished is not None:
@@ -394,21 +440,22 @@ class Reducer:
                 # launched, no gradient is averaged, and the next forward raises.
                 self._wait_launched()
                 return
-            while self._next < len(self._buckets):
-                self._launch(self._next)
-                self._next += 1
+            if self._delays_reduction:
+                # DDP's delay_all_reduce: the map of used parameters first, then every bucket.
+                self._settle(used_on_some_rank(self._used, self._group, self.device))
+            self._launch_rest()
             results = self._wait_launched()
-            used = self._used_everywhere(results)
+            used = self._used_everywhere()
             for position, averages in results:
                 self._write_back(position, averages, used)
-            if self._arrival is not None and self._rebuild_after(self._arrival):
-                rebuilt = self.bucket_names
+            if self._arrival is not None:
+                self._arrived_in_order(self._arrival)
         finally:
             self._used = [False] * len(self._names)
             self._reset_backward()
         module = self._module()
         if module is not None:
-            self._on_synchronized(module, rebuilt)
+            self._on_synchronized(module)
 
     def _wait_launched(self) -> list[tuple[int, Tensor]]:
         """Wait for every launched bucket, in order; each one's reduced flat buffer."""
@@ -425,29 +472,30 @@ class Reducer:
     def _hook_result(self, position: int, result: object) -> Tensor:
         return hook_result(self.where, position, self._flats[position], result)
 
-    @property
-    def _flags_in_buckets(self) -> bool:
-        """Whether each bucket ends with the used-flags of its parameters."""
-        return self._tracks_used and self._comm_hook is None
-
     def _unused_error(self) -> UnusedParameterError | None:
-        """Without unused parameters found: DDP's error if a parameter got no gradient."""
+        """DDP's error if a parameter that had to get a gradient got none, else None.
+
+        Every parameter without unused parameters found; a settled static graph's
+        arriving ones with it.
+        """
+        if self._settled is not None:
+            return static_unused_error(
+                self._names, self._settled.arrives, self._arrived, self.where
+            )
         if self._tracks_used:
             return None
         return unused_error(self._names, self._arrived, self.where)
 
-    def _used_everywhere(self, results: list[tuple[int, Tensor]]) -> list[bool]:
+    def _used_everywhere(self) -> list[bool]:
         """By parameter, whether some rank used it since the last synchronization.
 
-        Without a hook the flags travelled in the buckets; with one, they are
-        all-reduced now, once, as DDP's map of locally used parameters.
+        The map of parameters used on this rank, all-reduced now, once, as DDP's; a
+        settled static graph's is fixed: no collective, no read.
         """
         if not self._tracks_used:
             return [True] * len(self._names)
-        if self._flags_in_buckets:
-            if all(self._used):  # used here, so used: no read, which waits for the device
-                return [True] * len(self._names)
-            return used_from_flags(self._buckets, results, len(self._names))
+        if self._settled is not None:
+            return list(self._settled.used)
         return used_on_some_rank(self._used, self._group, self.device)
 
     def _write_back(self, position: int, reduced: Tensor, used: Sequence[bool]) -> None:
@@ -473,7 +521,7 @@ class Reducer:
         """From the next backward, ``hook(state, bucket)`` reduces each bucket (checked first).
 
         The buckets are DDP's already and stay as they are, as DDP's do; their
-        buffers are made anew, without the used-flags, which a hook never sees.
+        buffers are made anew.
         """
         if self._comm_hook is not None:
             raise ContractError(
@@ -494,6 +542,9 @@ class Reducer:
         Their all-reduces, in the buckets' order, through the communication hook if one
         is registered (``_join``'s hook calls this once the others said one follows).
         """
+        if self._delays_reduction:
+            # The others' static graph settles now: meet their map of used parameters first.
+            self._settle(used_on_some_rank([False] * len(self._names), self._group, self.device))
         for position in range(len(self._buckets)):
             if self._views[position] is None:
                 self._allocate(position)
@@ -502,40 +553,53 @@ class Reducer:
             flat = torch.zeros_like(self._flats[position])
             pending: Collective | torch.futures.Future[Tensor]
             if self._comm_hook is not None:
-                pending = self._run_comm_hook(position, flat, self._split(position, flat)[:-1])
+                pending = self._run_comm_hook(position, flat, self._split(position, flat))
             else:
                 pending = _torch.all_reduce(flat, self._group)
             self._launched.append((position, pending))
         try:
-            results = self._wait_launched()
-            if self._comm_hook is not None and self._tracks_used:
+            self._wait_launched()
+            if self._tracks_used:  # the others' map of used parameters, where they send one
                 saved, self._used = self._used, [False] * len(self._names)
                 try:
-                    self._used_everywhere(results)
+                    self._used_everywhere()
                 finally:
                     self._used = saved
             # As DDP's joined rank, which counts every parameter as arrived in definition
             # order: where it is the first rank, the rebuild takes that.
-            if self._arrival is not None and self._rebuild_after(list(range(len(self._names)))):
-                self.update(module, lambda record: attrs.evolve(record, buckets=self.bucket_names))
+            if self._arrival is not None:
+                self._arrived_in_order(list(range(len(self._names))))
         finally:
             self._reset_backward()
 
-    def _rebuild_after(self, arrival: list[int]) -> bool:
-        """End of a synchronized backward, buckets still to rebuild: rebuild now, or not yet.
+    def _arrived_in_order(self, arrival: list[int]) -> None:
+        """End of a synchronized backward, buckets still to rebuild: from this order, or not yet.
 
-        True if rebuilt. A static graph's first synchronized backward only counts.
+        A static graph's first synchronized backward only counts. The rebuild itself
+        waits for the next forward with grad enabled (``rebuild_if_due``), as DDP's.
         """
         if self._backwards_before_rebuild > 0:
             self._backwards_before_rebuild -= 1
             self._arrival = []
-            return False
-        self._rebuild(arrival)
+            return
+        self._rebuild_from = arrival
         self._arrival = None
-        return True
 
-    def _rebuild(self, arrival: list[int]) -> None:
-        """DDP's rebuild: bucket anew in the first rank's arrival order, with DDP's caps."""
-        order = rebuild_order(arrival, len(self._names), self._group, self.device)
+    def rebuild_if_due(self, module: nn.Module) -> None:
+        """DDP's ``_rebuild_buckets``, before a forward with grad enabled: rebuild, once.
+
+        Each rank buckets its parameters anew in the order their gradients arrived
+        (those that did not arrive last, in the order they are defined, as DDP's), with
+        DDP's caps; every rank then takes the first rank's buckets (two broadcasts, as
+        DDP's ``sync_bucket_indices``), and the record names them.
+        """
+        arrival = self._rebuild_from
+        if arrival is None:
+            return
+        self._rebuild_from = None
+        arrived = set(arrival)
+        order = [*arrival, *(index for index in range(len(self._names)) if index not in arrived)]
         parameters = [self._parameter(index) for index in range(len(self._names))]
-        self._set_buckets(assign_buckets_as_ddp(parameters, order, self._limits()))
+        buckets = assign_buckets_as_ddp(parameters, order, self._limits())
+        self._set_buckets(first_ranks_buckets(buckets, self._group, self.device))
+        self.update(module, lambda record: attrs.evolve(record, buckets=self.bucket_names))

@@ -1,26 +1,97 @@
-"""Unused parameters: DDP's error where one got no gradient, and which ones some rank used.
+"""Unused parameters: DDP's errors where one got no gradient, and which ones some rank used.
 
 Without ``find_unused_parameters`` (or ``static_graph``) every parameter must get a
 gradient in every synchronizing backward; ``unused_error`` is the error the next
-forward raises where one did not, DDP's words first. With either, a parameter counts
-as used if some rank accumulated into it since the last synchronization: the flags
-travel at the end of each bucket (``used_from_flags``) or, with a communication hook,
-are all-reduced once per backward (``used_on_some_rank``).
+forward raises where one did not, DDP's words first. With ``find_unused_parameters``,
+a parameter counts as used if some rank accumulated into it since the last
+synchronization: the map of those used on each rank is all-reduced once per
+synchronizing backward (``used_on_some_rank``), as DDP's.
+With ``static_graph``, the first synchronizing backward all-reduces that map once and
+fixes it (``StaticGraph``): later ones send no map, and a parameter that
+arrives where the first had none, or the other way round, is DDP's error
+(``graph_changed_error``, ``static_unused_error``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Final
 
+import attrs
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
-from torchcontract import UnusedParameterError
+from torchcontract import GraphChangedError, UnusedParameterError
 
 from .. import _torch
 
-__all__ = ["unused_error", "used_from_flags", "used_on_some_rank"]
+__all__ = [
+    "StaticGraph",
+    "graph_changed_error",
+    "static_unused_error",
+    "unused_error",
+    "used_on_some_rank",
+]
+
+#: How DDP's two errors for a changed static graph describe the change.
+_CHANGED: Final = "training graph has changed in this iteration, e.g., one parameter is"
+_STATIC: Final = " this is not compatible with static_graph set to True."
+#: DDP's first sentence where a synchronizing backward left parameters without gradients.
+_UNFINISHED: Final = (
+    "Expected to have finished reduction in the prior iteration before starting a new one. "
+)
+
+
+@attrs.frozen
+class StaticGraph:
+    """What a static graph's first synchronizing backward fixed, by parameter, for the rest.
+
+    ``arrives``: whether its gradient arrived on this rank; each later synchronizing
+    backward must give a gradient to these and to no other. ``used``: whether some rank
+    used it (its gradient is averaged, or else left alone), as DDP's map of used
+    parameters after its first iteration.
+    """
+
+    arrives: tuple[bool, ...]
+    used: tuple[bool, ...]
+
+
+def graph_changed_error(name: str, where: Callable[[], str]) -> GraphChangedError:
+    """DDP's error, raised in the backward, for a gradient the first backward did not give."""
+    return GraphChangedError(
+        f"Your {_CHANGED} unused in first iteration, but "
+        f"then got used in the second iteration.{_STATIC} {where()}: parameter {name!r} got "
+        "a gradient in this synchronizing backward and none in the first; with "
+        "static_graph=True every synchronizing backward uses the parameters the first one "
+        "used: pass static_graph=False, and find_unused_parameters=True where some go unused"
+    )
+
+
+def static_unused_error(
+    names: Sequence[str],
+    arrives: Sequence[bool],
+    arrived: Sequence[bool],
+    where: Callable[[], str],
+) -> UnusedParameterError | None:
+    """DDP's error, raised by the next forward, for gradients the first backward gave, now none."""
+    missing = [
+        name for name, due, came in zip(names, arrives, arrived, strict=True) if due and not came
+    ]
+    if not missing:
+        return None
+    return UnusedParameterError(
+        f"{_UNFINISHED}This error indicates that your {_CHANGED} used in first iteration, "
+        f"but then got unused in the second iteration.{_STATIC} {where()} got no gradient for "
+        f"{_listed(missing)} in the last synchronizing backward, which the first one gave one; "
+        "with static_graph=True every synchronizing backward uses the parameters the first one "
+        "used: pass static_graph=False, and find_unused_parameters=True where some go unused"
+    )
+
+
+def _listed(names: Sequence[str]) -> str:
+    """The first five names quoted, and how many more."""
+    shown = ", ".join(repr(name) for name in names[:5])
+    return f"{shown} and {len(names) - 5} more" if len(names) > 5 else shown
 
 
 def unused_error(
@@ -36,8 +107,7 @@ def unused_error(
     if not missing:
         return None
     ddp = (
-        "Expected to have finished reduction in the prior iteration before starting a "
-        "new one. This error indicates that your module has parameters that were not "
+        f"{_UNFINISHED}This error indicates that your module has parameters that were not "
         "used in producing loss: "
     )
     if len(missing) == len(names):
@@ -51,43 +121,11 @@ def unused_error(
             "accumulated, so replicate cannot average them; run such forwards under "
             "no_sync(module) or rank_local(module), or call loss.backward()"
         )
-    shown = ", ".join(repr(name) for name in missing[:5])
-    more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
     return UnusedParameterError(
-        f"{ddp}{where()} got no gradient for {shown}{more} in the last "
+        f"{ddp}{where()} got no gradient for {_listed(missing)} in the last "
         "synchronizing backward; pass find_unused_parameters=True to replicate, or make "
         "every parameter take part in the loss"
     )
-
-
-def used_from_flags(
-    buckets: Sequence[Sequence[int]], results: Sequence[tuple[int, Tensor]], count: int
-) -> list[bool]:
-    """By parameter, the flags that travelled at the end of each reduced bucket."""
-    used = [False] * count
-    if not results:
-        return used
-    # Every bucket's flags in one read from the device: one wait, not one per bucket
-    # (buckets of other dtypes or devices joined as booleans, on the first one's device).
-    device = results[0][1].device
-    tails = [
-        (flat[flat.numel() - len(buckets[position]) :] > 0).to(device, non_blocking=True)
-        for position, flat in results
-    ]
-    flags = iter(_torch.to_bools(torch.cat(tails)))
-    for position, _ in results:
-        for index in buckets[position]:
-            used[index] = next(flags)
-    return used
-
-
-def used_flags(used: Sequence[bool], bucket: Sequence[int], like: Tensor) -> Tensor:
-    """1.0 for each parameter of ``bucket`` in use, else 0.0: ``like``'s dtype and device.
-
-    Copied without the host waiting for the device (``host_values_on``).
-    """
-    flags = [1.0 if used[index] else 0.0 for index in bucket]
-    return _torch.host_values_on(flags, like.dtype, like.device)
 
 
 def used_on_some_rank(
