@@ -124,14 +124,20 @@ class Unused:
     grads: list[list[float] | None]
 
 
-def _unused_error(model: nn.Module, raw: Net, rank: int) -> Unused:
-    """Three steps that leave ``side`` unused; DDP raises at the next forward with grad."""
+def _until_error(
+    model: nn.Module, raw: Net, rank: int, uses: tuple[bool, ...] = (False, False, False)
+) -> Unused:
+    """Steps whose use of ``side`` is ``uses``, step by step: when and what raised.
+
+    By default three steps that leave ``side`` unused: without unused parameters found,
+    DDP raises at the next forward with grad.
+    """
     grads: list[list[float] | None] = []
-    for step in range(1, 4):
-        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+    for step, use_side in enumerate(uses, start=1):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank + step))
         moment = f"forward {step}"
         try:
-            loss = model(x, use_side=False).sum()
+            loss = model(x, use_side=use_side).sum()
             moment = f"backward {step}"
             loss.backward()
         except RuntimeError as error:
@@ -145,22 +151,6 @@ STATIC_CHANGES: Final = {
     "used first, then not": (True, False, True),
     "unused first, then used": (False, True, True),
 }
-
-
-def _static_change(model: nn.Module, raw: Net, rank: int, uses: tuple[bool, ...]) -> Unused:
-    """Steps under ``static_graph`` whose use of ``side`` changes: when and what raised."""
-    grads: list[list[float] | None] = []
-    for step, use_side in enumerate(uses, start=1):
-        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank + step))
-        moment = f"forward {step}"
-        try:
-            loss = model(x, use_side=use_side).sum()
-            moment = f"backward {step}"
-            loss.backward()
-        except RuntimeError as error:
-            return Unused(moment, str(error), type(error).__name__, grads)
-        grads = _plain(p.grad for p in raw.parameters())
-    return Unused("", "", "", grads)
 
 
 def _plain(tensors: Iterable[Tensor | None]) -> list[list[float] | None]:
@@ -266,9 +256,9 @@ class Report:
 def _job(rank: int, world_size: int) -> Report:
     gaps = {name: _gap(name, rank) for name in CASES}
     mine = replicate(_model(0))
-    ours_unused = _unused_error(mine, mine, rank)
+    ours_unused = _until_error(mine, mine, rank)
     raw = _model(0)
-    theirs_unused = _unused_error(DistributedDataParallel(raw), raw, rank)
+    theirs_unused = _until_error(DistributedDataParallel(raw), raw, rank)
     mine = replicate(_model(0), gradient_as_bucket_view=True)
     raw = _model(0)
     ddp = DistributedDataParallel(raw, gradient_as_bucket_view=True)
@@ -298,7 +288,7 @@ def _static_changes(uses: tuple[bool, ...], rank: int) -> tuple[Unused, Unused]:
     mine = replicate(_model(0), static_graph=True)
     raw = _model(0)
     ddp = DistributedDataParallel(raw, static_graph=True)
-    return _static_change(mine, mine, rank, uses), _static_change(ddp, raw, rank, uses)
+    return _until_error(mine, mine, rank, uses), _until_error(ddp, raw, rank, uses)
 
 
 @pytest.fixture(scope="module")
