@@ -16,8 +16,12 @@ from torch import Tensor, nn
 from torch._C._distributed_c10d import _compute_bucket_assignment_by_size
 from torch.nn.parallel import DistributedDataParallel
 
-from torchcontract.apis import replicate
-from torchcontract.apis.replicate._buckets import assign_buckets, assign_buckets_as_ddp
+from torchcontract.apis import _torch, replicate
+from torchcontract.apis.replicate._buckets import (
+    BROADCAST_BUCKET_BYTES,
+    assign_buckets_as_ddp,
+    broadcast_chunks,
+)
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
@@ -32,44 +36,6 @@ tensors = st.lists(
 
 def _bytes(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-@given(tensors, st.data(), st.integers(1, 200), st.integers(1, 400))
-def test_buckets_partition_the_order_by_kind_within_caps(
-    members: list[Tensor], data: st.DataObject, first_cap: int, cap: int
-) -> None:
-    order = data.draw(st.permutations(range(len(members))))
-    buckets = assign_buckets(members, order, first_cap, cap)
-    flat = [index for bucket in buckets for index in bucket]
-    assert sorted(flat) == list(range(len(members)))
-    seen_kinds: set[torch.dtype] = set()
-    for bucket in buckets:
-        kinds = {members[index].dtype for index in bucket}
-        assert len(kinds) == 1
-        (kind,) = kinds
-        limit = cap if kind in seen_kinds else first_cap
-        seen_kinds.add(kind)
-        if len(bucket) > 1:
-            assert sum(_bytes(members[index]) for index in bucket) <= limit
-        # Within a bucket, indices keep the order they were given in.
-        positions = [order.index(index) for index in bucket]
-        assert positions == sorted(positions)
-
-
-def test_first_bucket_is_small_and_the_rest_fill_to_the_cap() -> None:
-    members = [torch.empty(256) for _ in range(8)]  # 1 KiB each
-    buckets = assign_buckets(members, range(8), first_cap=1024, cap=4096)
-    assert buckets == [[0], [1, 2, 3, 4], [5, 6, 7]]
-
-
-def test_a_tensor_larger_than_the_cap_gets_a_bucket_of_its_own() -> None:
-    members = [torch.empty(4), torch.empty(1000), torch.empty(4)]
-    assert assign_buckets(members, [2, 1, 0], 64, 64) == [[2], [1], [0]]
-
-
-def test_buckets_launch_in_the_order_their_first_member_comes() -> None:
-    members = [torch.empty(4), torch.empty(4, dtype=torch.float64), torch.empty(4)]
-    assert assign_buckets(members, [1, 0, 2], 1024, 1024) == [[1], [0, 2]]
 
 
 # ----------------------------------------------------------------- DDP's own assignment
@@ -87,6 +53,20 @@ def test_a_bucket_closes_once_it_reaches_its_cap_as_ddps() -> None:
     """Not before it would exceed it: 600 + 600 bytes close a 1,000-byte bucket."""
     members = [torch.empty(150) for _ in range(3)]  # 600 bytes each
     assert assign_buckets_as_ddp(members, range(3), [1000]) == [[0, 1], [2]]
+
+
+@given(tensors, st.integers(1, 400))
+def test_broadcasts_go_in_ddps_chunks(members: list[Tensor], cap: int) -> None:
+    """Those of ``dist._broadcast_coalesced``, which DDP sends parameters and buffers in."""
+    theirs, _ = _compute_bucket_assignment_by_size(members, [cap])
+    assert broadcast_chunks(members, cap) == theirs
+
+
+def test_two_parameters_of_150_mib_are_broadcast_in_one_chunk_as_ddps() -> None:
+    """DDP's 250 MiB chunk closes once it holds 300 MiB: one broadcast, whatever the cap."""
+    members = [torch.empty(150 * 1024 * 1024 // 4, device="meta") for _ in range(2)]
+    theirs, _ = _compute_bucket_assignment_by_size(members, [BROADCAST_BUCKET_BYTES])
+    assert broadcast_chunks(members) == theirs == [[0, 1]]
 
 
 # ------------------------------------------------------ the rules the pages state, beside DDP
@@ -154,3 +134,29 @@ def test_with_find_unused_parameters_the_caps_hold_from_the_start_and_stay() -> 
     assert first == _ddp_sizes(find_unused_parameters=True)
     _step(model)
     assert _sizes(model) == first
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_backward_that_failed_midway_leaves_no_trace_in_the_rebuilt_buckets() -> None:
+    """Its arrivals are forgotten: the rebuild lists every parameter once, from the next one."""
+    model = replicate(_six_layers(), bucket_cap_mb=CAP_MB)
+
+    failing = True
+
+    def fail(grad: Tensor) -> Tensor:
+        raise ValueError("a hook failed")
+
+    def arm(module: nn.Module, args: object, output: Tensor) -> None:
+        if failing:  # raises once the last three layers' gradients arrived
+            _torch.register_tensor_hook(output, fail)
+
+    model[2].register_forward_hook(arm)
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="a hook failed"):
+        model(x).sum().backward()
+    failing = False
+    _step(model)  # a whole synchronizing backward
+    loss = model(x).sum()  # the rebuild
+    names = [name for bucket in replicate.state(model).buckets for name in bucket]
+    assert sorted(names) == sorted(name for name, _ in model.named_parameters())
+    loss.backward()

@@ -149,7 +149,10 @@ class UnusedParameterError(ContractError):
 
 
 class GraphChangedError(ContractError):
-    """A static graph changed: a backward gave a gradient to a parameter the first one did not.
+    """A static graph changed: a backward gave a parameter more gradients than the first one.
+
+    Any gradient, where the first gave none; also more than once, where the first gave
+    one (a reentrant checkpoint's nested backwards count).
 
     Raised by ``replicate`` with ``static_graph=True`` in that backward, where
     ``DistributedDataParallel`` raises its ``RuntimeError``; the message starts with

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from torchcontract.apis import _compat, replicate
 from torchcontract.testing import run_distributed
@@ -34,23 +35,29 @@ STEPS: Final = 3
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, checkpointed: bool = False) -> None:
         super().__init__()
         self.first = nn.Linear(4, 8)
         self.side = nn.Linear(8, 8)
         self.head = nn.Linear(8, 1)
+        self.checkpointed = checkpointed
 
     def forward(self, x: Tensor, use_side: bool = True) -> Tensor:
         h = torch.relu(self.first(x))
         if use_side:
-            h = h + self.side(h)
+            # A reentrant checkpoint accumulates side's gradients in a nested backward.
+            side = (
+                checkpoint(self.side, h, use_reentrant=True) if self.checkpointed else self.side(h)
+            )
+            assert isinstance(side, Tensor)
+            h = h + side
         out: Tensor = self.head(h)
         return out
 
 
-def _model(seed: int) -> Net:
+def _model(seed: int, checkpointed: bool = False) -> Net:
     torch.manual_seed(seed)
-    return Net()
+    return Net(checkpointed)
 
 
 def _train(
@@ -83,6 +90,8 @@ CASES: Final[dict[str, tuple[Callable[[], dict[str, Any]], bool]]] = {
         False,
     ),
     "static_graph": (lambda: {"static_graph": True}, False),
+    "static_graph, reentrant checkpoint": (lambda: {"static_graph": True}, False),
+    "no keyword, reentrant checkpoint": (dict, False),
     # DDP finds a static graph's unused parameters in its first iteration: no error.
     "static_graph, side unused": (lambda: {"static_graph": True}, False),
     # Used on some rank: averaged every step, with zeros from rank 1.
@@ -102,9 +111,10 @@ def _gap(name: str, rank: int) -> float:
     use_side = not name.endswith("side unused") and not (
         name.endswith("side unused on rank 1") and rank == 1
     )
-    mine = replicate(_model(seed), **keywords())
+    checkpointed = name.endswith("reentrant checkpoint")
+    mine = replicate(_model(seed, checkpointed), **keywords())
     ours = _train(mine, mine, rank, set_to_none, use_side)
-    raw = _model(seed)
+    raw = _model(seed, checkpointed)
     ddp = DistributedDataParallel(raw, **keywords())
     theirs = _train(ddp, raw, rank, set_to_none, use_side)
     assert len(ours) == len(theirs)

@@ -206,6 +206,29 @@ def _run_joined(rank: int, theirs: bool, detached: int | None = None) -> list[li
     return steps
 
 
+def _joined_before_a_static_graph_settled(rank: int) -> tuple[list[list[Message]], list[float]]:
+    """Rank 1 joins at once under a static graph, then both train on: collectives, parameters.
+
+    The joined rank meets the others' first synchronizing backward, which settles the
+    graph, without one of its own: its own first backward after Join tells which of its
+    parameters arrive.
+    """
+    group = recording_group()
+    torch.manual_seed(0)
+    raw = Net()
+    model = cast(ReplicateModule, replicate(raw, process_group=group, static_graph=True))
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(rank))
+    with model.join():
+        for _ in range(2 if rank == 0 else 0):
+            raw(x, True).square().mean().backward()
+    group.take()
+    steps: list[list[Message]] = []
+    for _ in range(2):  # the next epoch, even
+        raw(x, rank == 0).square().mean().backward()
+        steps.append(group.take())
+    return steps, [float(v) for p in raw.parameters() for v in p.detach().flatten()]
+
+
 def _job(rank: int, world_size: int) -> tuple[dict[str, tuple[Sent, Sent]], list[Any]]:
     with warnings.catch_warnings():  # broadcast_buffers' deprecation, DDP's notes
         warnings.simplefilter("ignore")
@@ -213,7 +236,12 @@ def _job(rank: int, world_size: int) -> tuple[dict[str, tuple[Sent, Sent]], list
             name: (_run(scenario, rank, False), _run(scenario, rank, True))
             for name, scenario in SCENARIOS.items()
         }
-        joined = [_run_joined(rank, False), _run_joined(rank, True), _run_joined(rank, False, 3)]
+        joined = [
+            _run_joined(rank, False),
+            _run_joined(rank, True),
+            _run_joined(rank, False, 3),
+            _joined_before_a_static_graph_settled(rank),
+        ]
     return by_scenario, joined
 
 
@@ -237,7 +265,7 @@ DDPS_JOIN_FLAG: Final = Message("all_reduce", ((1, "torch.float32"),))
 def test_under_join_every_step_sends_what_ddps_sends_but_its_one_flag(
     ranks: list[tuple[dict[str, tuple[Sent, Sent]], list[Any]]],
 ) -> None:
-    for rank, (_, (ours, theirs, _)) in enumerate(ranks):
+    for rank, (_, (ours, theirs, _, _)) in enumerate(ranks):
         assert len(ours) == len(theirs) == JOIN_BATCHES[rank] + 1
         assert OURS_JOIN_FLAGS in ours[0]
         for step, (mine, ddps) in enumerate(zip(ours, theirs, strict=True)):
@@ -321,9 +349,25 @@ def test_under_join_a_forward_whose_output_needs_no_gradient_is_not_shadowed(
     """
     floats = sum(p.numel() for p in Net(norm=True).parameters())
     bucket = Message("all_reduce", ((floats, "torch.float32"),))
-    (_, (_, _, rank_0)), (_, (plain, _, rank_1)) = ranks
+    (_, (_, _, rank_0, _)), (_, (plain, _, rank_1, _)) = ranks
     assert [bucket in step for step in rank_0] == [True, True, True, False, False]
     # Rank 1 joined after its two steps: at its end it shadows rank 0's last two steps,
     # meeting one backward here (step 2's), two where every step has one.
     assert plain[-1].count(bucket) == 2
     assert rank_1[-1].count(bucket) == 1
+
+
+def test_a_rank_that_joined_before_a_static_graph_settled_trains_on_with_the_others(
+    ranks: list[tuple[dict[str, tuple[Sent, Sent]], list[Any]]],
+) -> None:
+    """No map after the first backward, on either rank, and the same parameters after.
+
+    (Join's own collectives go on after it, as under DDP: torch leaves the joinables'
+    Join configuration enabled.)
+    """
+    (_, (*_, (steps_0, parameters_0))), (_, (*_, (steps_1, parameters_1))) = ranks
+    parameters = len(list(Net().parameters()))
+    used_map = Message("all_reduce", ((parameters, "torch.int32"),))
+    assert steps_0 == steps_1
+    assert all(used_map not in step for step in steps_0)
+    assert parameters_0 == parameters_1

@@ -346,8 +346,8 @@ def replicate(
         static_graph: As DDP's: the promise that every iteration uses the same
             parameters. The first synchronizing backward finds which take part (those
             unused there may stay unused) and which some rank used, once; the buckets
-            are rebuilt once, after the second, in the order gradients arrived. The
-            numbers do not change.
+            are rebuilt once, at the forward after the second, in the order gradients
+            arrived. The numbers do not change.
         gradient_as_bucket_view: As DDP's: after a synchronized backward each
             averaged ``.grad`` is a view into its bucket's buffer, so the model
             holds one copy of its gradients instead of two; the next backward

@@ -47,7 +47,7 @@ def copy_in(
 
     ``sparse(index)`` is the error for a sparse gradient, which is not averaged.
     """
-    for index, grad, view in zip(bucket, grads, views, strict=False):
+    for index, grad, view in zip(bucket, grads, views, strict=True):
         if grad is None:
             view.zero_()
         elif grad.is_sparse:
@@ -62,7 +62,7 @@ def write_back(
     """Each used parameter's average into its ``.grad``: copied in, or a clone where none."""
     grads: list[Tensor] = []
     averages: list[Tensor] = []
-    for index, average in zip(bucket, views, strict=False):
+    for index, average in zip(bucket, views, strict=True):
         if not used[index]:
             continue
         each = parameter(index)
@@ -93,8 +93,8 @@ def point_into_bucket(
     the view in place, and the next launch scales it where it lies.
     """
     if reduced is not flat:
-        flat[: reduced.numel()].copy_(reduced)
-    for index, view in zip(bucket, views, strict=False):
+        flat.copy_(reduced)
+    for index, view in zip(bucket, views, strict=True):
         if not used[index]:
             continue
         each = parameter(index)

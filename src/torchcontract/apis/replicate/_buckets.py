@@ -8,8 +8,9 @@ the caps. With ``find_unused_parameters=True`` the caps hold from the start, and
 under the default cap the bucket of the parameters defined first (launched last)
 holds 1 MiB, the others ``bucket_cap_mb``. The reducer's buckets are DDP's
 (``assign_buckets_as_ddp``: a bucket closes once it holds its cap). Broadcasts of
-parameters and buffers go in chunks of at most DDP's ``broadcast_bucket_size``
-(``assign_buckets``: a tensor larger than that gets a chunk of its own).
+parameters and buffers go in DDP's chunks (``broadcast_chunks``): buckets by the
+same rule, capped at DDP's ``broadcast_bucket_size``, in the order of their first
+tensor.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from .. import _torch
 __all__ = [
     "BROADCAST_BUCKET_BYTES",
     "FIRST_BUCKET_BYTES",
-    "assign_buckets",
     "assign_buckets_as_ddp",
+    "broadcast_chunks",
     "broadcast_from",
     "broadcast_from_first_rank",
 ]
@@ -38,34 +39,13 @@ FIRST_BUCKET_BYTES: Final = 1024 * 1024
 _Kind = tuple[torch.device, torch.dtype]
 
 
-def assign_buckets(
-    tensors: Sequence[Tensor], order: Iterable[int], first_cap: int, cap: int
-) -> list[list[int]]:
-    """Split the indices of ``tensors``, taken in ``order``, into buckets, in launch order."""
-    buckets: list[list[int]] = []
-    # Per kind: the open bucket, its bytes so far, and its cap (first_cap for the first).
-    open_buckets: dict[_Kind, tuple[list[int], int, int]] = {}
-    for index in order:
-        tensor = tensors[index]
-        kind = (tensor.device, tensor.dtype)
-        size = tensor.numel() * tensor.element_size()
-        bucket, used, limit = open_buckets.get(kind, ([], 0, first_cap))
-        if bucket and used + size > limit:
-            bucket, used, limit = [], 0, cap
-        if not bucket:
-            buckets.append(bucket)
-        bucket.append(index)
-        open_buckets[kind] = (bucket, used + size, limit)
-    return buckets
-
-
 def assign_buckets_as_ddp(
     tensors: Sequence[Tensor], order: Iterable[int], limits: Sequence[int]
 ) -> list[list[int]]:
     """DDP's ``_compute_bucket_assignment_by_size``: the indices of ``tensors`` in buckets.
 
-    Unlike ``assign_buckets``, a bucket takes each tensor first and closes once it
-    holds at least its cap (so it may exceed it by its last tensor). The caps of
+    A bucket takes each tensor first and closes once it holds at least its cap (so
+    it may exceed it by its last tensor). The caps of
     each kind's buckets are ``limits`` in turn, the last one repeated. The buckets
     closed come first, in the order they closed, then those left open, in the
     order they opened. Where a communication hook's result depends on the
@@ -97,6 +77,18 @@ def assign_buckets_as_ddp(
 BROADCAST_BUCKET_BYTES: Final = 250 * 1024 * 1024
 
 
+def broadcast_chunks(
+    tensors: Sequence[Tensor], cap: int = BROADCAST_BUCKET_BYTES
+) -> list[list[int]]:
+    """The indices of ``tensors`` in the chunks DDP's ``_broadcast_coalesced`` sends.
+
+    Its ``compute_bucket_assignment_by_size(tensors, {cap})``: per kind, a chunk
+    closes once it holds at least ``cap`` bytes; chunks in the order of their first
+    tensor.
+    """
+    return sorted(assign_buckets_as_ddp(tensors, range(len(tensors)), (cap,)), key=min)
+
+
 def broadcast_from_first_rank(tensors: Sequence[Tensor], group: dist.ProcessGroup) -> None:
     """Overwrite ``tensors`` with the group's first rank's values, in flat chunks per kind."""
     broadcast_from(tensors, group, 0)
@@ -105,13 +97,12 @@ def broadcast_from_first_rank(tensors: Sequence[Tensor], group: dist.ProcessGrou
 def broadcast_from(tensors: Sequence[Tensor], group: dist.ProcessGroup, source_rank: int) -> None:
     """Overwrite ``tensors`` with group rank ``source_rank``'s values, in flat chunks per kind.
 
-    Chunks of at most ``BROADCAST_BUCKET_BYTES``, as DDP's ``_broadcast_coalesced``.
+    In ``broadcast_chunks``, as DDP's ``_broadcast_coalesced``.
     """
     if not tensors:
         return
-    cap = BROADCAST_BUCKET_BYTES
     with torch.no_grad():
-        for chunk in assign_buckets(tensors, range(len(tensors)), cap, cap):
+        for chunk in broadcast_chunks(tensors):
             members = [tensors[index] for index in chunk]
             flat = torch.cat([tensor.reshape(-1) for tensor in members])
             _torch.broadcast(flat, source_rank, group)

@@ -82,6 +82,7 @@ from ._state import ReplicateState
 from ._unused import (
     StaticGraph,
     graph_changed_error,
+    start_used_map,
     static_unused_error,
     unused_error,
     used_on_some_rank,
@@ -244,7 +245,7 @@ class Reducer:
             if all(grad is None or grad.is_sparse for grad in grads):
                 continue
             views = self._allocate(position)
-            for index, grad, view in zip(bucket, grads, views, strict=False):
+            for index, grad, view in zip(bucket, grads, views, strict=True):
                 if grad is not None and not grad.is_sparse:
                     view.copy_(grad)
                     self._parameter(index).grad = view
@@ -262,7 +263,11 @@ class Reducer:
                 work.wait()
         self._task = -1
         self._waiting = list(self._due)
-        self._arrived = [False] * len(self._names)  # in the synchronized backward running
+        # Per parameter, how often its gradient was accumulated in the synchronizing
+        # backward running, nested backwards (a reentrant checkpoint's) included.
+        self._hooks = [0] * len(self._names)
+        if self._arrival is not None:
+            self._arrival = []
         self._next = 0  # the next bucket to launch: buckets launch strictly in order
         self._launched = []
         self._active_count: int | None = None  # Join: the ranks not joined, once read
@@ -272,10 +277,12 @@ class Reducer:
 
         Every parameter's, or a settled static graph's arriving ones only: the others
         are ready from the start, as DDP marks them ready at a backward's first hook.
+        (A parameter whose gradient arrives in a nested backward only, without a settled
+        static graph, keeps its bucket waiting for the end of the backward.)
         """
-        settled = self._settled
+        firings = self._settled.firings if self._settled is not None else None
         self._due = [
-            len(bucket) if settled is None else sum(settled.arrives[index] for index in bucket)
+            len(bucket) if firings is None else sum(firings[index] > 0 for index in bucket)
             for bucket in self._buckets
         ]
 
@@ -298,18 +305,25 @@ class Reducer:
     def ready(self, index: int) -> None:
         """A parameter's gradient was accumulated: mark it used; launch what is complete."""
         self._used[index] = True
-        if self._task == -1 or self._task != _torch.current_graph_task_id():
-            # A local backward, or a nested one (a reentrant checkpoint's): its
-            # gradients are averaged with the rest at the end of the synchronizing one.
-            return
-        if self._settled is not None and not self._settled.arrives[index]:
-            raise graph_changed_error(self._names[index], self.where)
-        if self._arrival is not None:
+        if self._task == -1:
+            return  # a local backward: averaged with the next synchronizing one
+        self._hooks[index] += 1
+        if self._hooks[index] == 1 and self._arrival is not None:
             self._arrival.append(index)
-        self._arrived[index] = True
+        firings = self._settled.firings if self._settled is not None else None
+        if firings is not None:
+            # A settled static graph's, as DDP's: ready once accumulated as often as in
+            # the first synchronizing backward, nested backwards included.
+            if self._hooks[index] > firings[index]:
+                raise graph_changed_error(self._names[index], firings[index], self.where)
+            if self._hooks[index] < firings[index]:
+                return
+        elif self._delays_reduction or self._task != _torch.current_graph_task_id():
+            # A static graph's first is reduced at its end; a nested backward (a
+            # reentrant checkpoint's) may accumulate into it again: at the end too.
+            return
         self._waiting[self._bucket_of[index]] -= 1
-        if not self._delays_reduction:
-            self._launch_complete()
+        self._launch_complete()
 
     @property
     def _delays_reduction(self) -> bool:
@@ -328,9 +342,14 @@ class Reducer:
             self._launch(self._next)
             self._next += 1
 
-    def _settle(self, used: Sequence[bool]) -> None:
-        """Fix what a static graph's first synchronizing backward found, for every later one."""
-        self._settled = StaticGraph(tuple(self._arrived), tuple(used))
+    def _settle(self, used: Sequence[bool], *, joined: bool = False) -> None:
+        """Fix what a static graph's first synchronizing backward found, for every later one.
+
+        A rank that met it having joined (Join) knows which parameters some rank used,
+        not which of its own arrive: its first own synchronizing backward tells
+        (``_finish``).
+        """
+        self._settled = StaticGraph(None if joined else tuple(self._hooks), tuple(used))
         self._count_due()
 
     def _launch(self, position: int) -> None:
@@ -385,7 +404,7 @@ class Reducer:
         state, hook = self._comm_hook
         parameters = [self._parameter(index) for index in self._buckets[position]]
         index, last = position, position == len(self._buckets) - 1
-        if self._static_graph and self._backwards_before_rebuild > 0:
+        if self._delays_reduction:
             # DDP reduces a static graph's first synchronized backward all at its end
             # (delay_all_reduce), handing its hook every bucket as index 0, and as the
             # last only where it is the only one; a hook that counts steps by is_last
@@ -440,11 +459,20 @@ class Reducer:
                 # launched, no gradient is averaged, and the next forward raises.
                 self._wait_launched()
                 return
-            if self._delays_reduction:
-                # DDP's delay_all_reduce: the map of used parameters first, then every bucket.
-                self._settle(used_on_some_rank(self._used, self._group, self.device))
+            # DDP's delay_all_reduce: a static graph's first synchronizing backward sends the
+            # map of used parameters, then every bucket, all at its end.
+            used_map = (
+                start_used_map(self._used, self._group, self.device)
+                if self._delays_reduction
+                else None
+            )
             self._launch_rest()
             results = self._wait_launched()
+            if used_map is not None:
+                self._settle(used_map.result())
+            elif self._settled is not None and self._settled.firings is None:
+                self._settled = attrs.evolve(self._settled, firings=tuple(self._hooks))
+                self._count_due()
             used = self._used_everywhere()
             for position, averages in results:
                 self._write_back(position, averages, used)
@@ -478,13 +506,13 @@ class Reducer:
         Every parameter without unused parameters found; a settled static graph's
         arriving ones with it.
         """
-        if self._settled is not None:
-            return static_unused_error(
-                self._names, self._settled.arrives, self._arrived, self.where
-            )
+        firings = self._settled.firings if self._settled is not None else None
+        if firings is not None:
+            short = [got < due for got, due in zip(self._hooks, firings, strict=True)]
+            return static_unused_error(self._names, short, self.where)
         if self._tracks_used:
             return None
-        return unused_error(self._names, self._arrived, self.where)
+        return unused_error(self._names, [got > 0 for got in self._hooks], self.where)
 
     def _used_everywhere(self) -> list[bool]:
         """By parameter, whether some rank used it since the last synchronization.
@@ -542,9 +570,13 @@ class Reducer:
         Their all-reduces, in the buckets' order, through the communication hook if one
         is registered (``_join``'s hook calls this once the others said one follows).
         """
-        if self._delays_reduction:
-            # The others' static graph settles now: meet their map of used parameters first.
-            self._settle(used_on_some_rank([False] * len(self._names), self._group, self.device))
+        nothing_used = [False] * len(self._names)
+        # The others' static graph settles now: meet their map of used parameters first.
+        used_map = (
+            start_used_map(nothing_used, self._group, self.device)
+            if self._delays_reduction
+            else None
+        )
         for position in range(len(self._buckets)):
             if self._views[position] is None:
                 self._allocate(position)
@@ -559,12 +591,10 @@ class Reducer:
             self._launched.append((position, pending))
         try:
             self._wait_launched()
-            if self._tracks_used:  # the others' map of used parameters, where they send one
-                saved, self._used = self._used, [False] * len(self._names)
-                try:
-                    self._used_everywhere()
-                finally:
-                    self._used = saved
+            if used_map is not None:
+                self._settle(used_map.result(), joined=True)
+            elif self._tracks_used and not self._static_graph:
+                used_on_some_rank(nothing_used, self._group, self.device)  # the others' map
             # As DDP's joined rank, which counts every parameter as arrived in definition
             # order: where it is the first rank, the rebuild takes that.
             if self._arrival is not None:

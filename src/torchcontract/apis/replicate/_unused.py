@@ -20,14 +20,18 @@ from typing import Final
 import attrs
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from torchcontract import GraphChangedError, UnusedParameterError
 
 from .. import _torch
+from .._let_go import Collective
 
 __all__ = [
     "StaticGraph",
+    "UsedMap",
     "graph_changed_error",
+    "start_used_map",
     "static_unused_error",
     "unused_error",
     "used_on_some_rank",
@@ -46,37 +50,45 @@ _UNFINISHED: Final = (
 class StaticGraph:
     """What a static graph's first synchronizing backward fixed, by parameter, for the rest.
 
-    ``arrives``: whether its gradient arrived on this rank; each later synchronizing
-    backward must give a gradient to these and to no other. ``used``: whether some rank
-    used it (its gradient is averaged, or else left alone), as DDP's map of used
-    parameters after its first iteration.
+    ``firings``: how often its gradient was accumulated on this rank (nested backwards,
+    a reentrant checkpoint's, included); each later synchronizing backward must
+    accumulate it as often, as DDP counts its hooks. None on a rank that met that
+    backward under ``Join``, having joined: its first own synchronizing backward
+    tells. ``used``: whether some rank used it (its gradient is averaged, or else left
+    alone), as DDP's map of used parameters after its first iteration.
     """
 
-    arrives: tuple[bool, ...]
+    firings: tuple[int, ...] | None
     used: tuple[bool, ...]
 
 
-def graph_changed_error(name: str, where: Callable[[], str]) -> GraphChangedError:
-    """DDP's error, raised in the backward, for a gradient the first backward did not give."""
+def graph_changed_error(name: str, first: int, where: Callable[[], str]) -> GraphChangedError:
+    """DDP's error, raised in the backward, for a gradient the first backward gave ``first`` times.
+
+    That is, not at all, or less often than this one.
+    """
+    got = (
+        "a gradient in this synchronizing backward and none in the first"
+        if first == 0
+        else f"more gradients in this synchronizing backward than the {first} of the first"
+    )
     return GraphChangedError(
         f"Your {_CHANGED} unused in first iteration, but "
         f"then got used in the second iteration.{_STATIC} {where()}: parameter {name!r} got "
-        "a gradient in this synchronizing backward and none in the first; with "
+        f"{got}; with "
         "static_graph=True every synchronizing backward uses the parameters the first one "
         "used: pass static_graph=False, and find_unused_parameters=True where some go unused"
     )
 
 
 def static_unused_error(
-    names: Sequence[str],
-    arrives: Sequence[bool],
-    arrived: Sequence[bool],
-    where: Callable[[], str],
+    names: Sequence[str], short: Sequence[bool], where: Callable[[], str]
 ) -> UnusedParameterError | None:
-    """DDP's error, raised by the next forward, for gradients the first backward gave, now none."""
-    missing = [
-        name for name, due, came in zip(names, arrives, arrived, strict=True) if due and not came
-    ]
+    """DDP's error, raised by the next forward, for gradients the first backward gave, now none.
+
+    ``short``: by parameter, whether it got fewer than in the first backward.
+    """
+    missing = [name for name, fell_short in zip(names, short, strict=True) if fell_short]
     if not missing:
         return None
     return UnusedParameterError(
@@ -128,18 +140,40 @@ def unused_error(
     )
 
 
+@attrs.frozen
+class UsedMap:
+    """The map of parameters used on this rank, all-reduced over the group (``start_used_map``)."""
+
+    local: tuple[bool, ...]
+    summed: Tensor
+    pending: Collective | None
+
+    def result(self) -> list[bool]:
+        """By parameter, whether some rank used it.
+
+        Waits for the all-reduce; reads it back only where this rank left a parameter
+        unused, as DDP's ``finalize_bucket_dense``: a read waits for the device.
+        """
+        if self.pending is not None:
+            self.pending.wait()
+        if all(self.local):
+            return [True] * len(self.local)
+        return _torch.to_bools(self.summed > 0)
+
+
+def start_used_map(used: Sequence[bool], group: dist.ProcessGroup, device: torch.device) -> UsedMap:
+    """Start DDP's all-reduce of the map of used parameters: an int32 per parameter.
+
+    On ``device``, the parameters' (DDP all-reduces its map on the device too); every
+    rank all-reduces, on a group of more than one.
+    """
+    summed = _torch.host_values_on([1 if was else 0 for was in used], torch.int32, device)
+    pending = _torch.all_reduce(summed, group) if group.size() > 1 else None
+    return UsedMap(tuple(used), summed, pending)
+
+
 def used_on_some_rank(
     used: Sequence[bool], group: dist.ProcessGroup, device: torch.device
 ) -> list[bool]:
-    """By parameter, whether some rank of ``group`` used it: one all-reduce, as DDP's map.
-
-    On ``device``, the parameters' (DDP all-reduces its map on the device too). Every
-    rank all-reduces; one that used every parameter reads nothing back, as DDP's
-    ``finalize_bucket_dense``: a read waits for the device.
-    """
-    local = _torch.host_values_on([1 if was else 0 for was in used], torch.int32, device)
-    if group.size() > 1:
-        _torch.all_reduce(local, group).wait()
-    if all(used):
-        return [True] * len(used)
-    return _torch.to_bools(local > 0)
+    """By parameter, whether some rank of ``group`` used it: the map all-reduced and read."""
+    return start_used_map(used, group, device).result()
