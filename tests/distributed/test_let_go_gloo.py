@@ -14,7 +14,9 @@ out warns once and stops waiting.
 
 from __future__ import annotations
 
+import atexit
 import gc
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -243,6 +245,26 @@ def test_a_wait_that_runs_out_warns_once_and_waits_no_more(
     assert [str(warning.message) for warning in warned] == [message]
     assert _let_go.hand_over(default_group, torch.ones(2)) is None
     del view
+
+
+@pytest.mark.parametrize("default_group", ["gloo", "fake"], indirect=True)
+def test_the_first_collective_on_gloo_registers_the_exit_grace_once(
+    default_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At exit, gloo's threads get the GIL to free what PyTorch's collectives left them."""
+    registered: list[tuple[object, ...]] = []
+
+    def register(*call: object) -> None:
+        registered.append(call)
+
+    monkeypatch.setattr(_let_go._ExitGrace, "registered", False)
+    monkeypatch.setattr(atexit, "register", register)
+    for _ in range(2):
+        _torch.all_reduce(torch.ones(2), default_group).wait()
+    if dist.get_backend(default_group) == "gloo":
+        assert registered == [(time.sleep, _let_go.EXIT_GRACE_SECONDS)]
+    else:
+        assert registered == []
 
 
 @pytest.fixture

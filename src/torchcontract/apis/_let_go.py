@@ -14,10 +14,16 @@ in a tensor object that nothing else holds), and wait, after the collective, unt
 gloo's thread has dropped each alias. Then no tensor of theirs is freed on that thread.
 Where torch keeps a collective's work after its end (collectives as graph inputs,
 ``allow_inflight_collective_as_graph_input_ctx``), nothing is aliased or waited for.
+
+PyTorch's own collectives (checkpoints', ``Join``'s, a barrier's neighbours) still
+leave tensors to gloo's threads. So once these APIs ran a collective on gloo, the
+process gives gloo's threads the GIL for a moment at exit (``EXIT_GRACE_SECONDS``),
+before the interpreter finalizes: they free what they hold while they still can.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import time
@@ -32,11 +38,30 @@ from torch import Tensor
 
 from ._backends import serving_backend
 
-__all__ = ["Collective", "Waitable", "hand_over", "let_go"]
+__all__ = ["EXIT_GRACE_SECONDS", "Collective", "Waitable", "hand_over", "let_go"]
 
 #: How long to wait for gloo's thread to drop a finished collective's tensors. It drops
 #: them as soon as it runs again; past this, the wait stops for good (with a warning).
 LET_GO_SECONDS: Final = 2.0
+
+
+#: At exit, how long gloo's threads get the GIL to free what collectives left them. A
+#: starved thread (lowest priority, its core busy) freed everything within 10 ms.
+EXIT_GRACE_SECONDS: Final = 0.05
+
+
+class _ExitGrace:
+    """Whether the exit grace is registered: once per process, at the first gloo collective."""
+
+    registered = False
+
+    @classmethod
+    def register(cls) -> None:
+        if not cls.registered:
+            cls.registered = True
+            # Callbacks run before the interpreter finalizes, when a thread may still take
+            # the GIL; sleeping releases it.
+            atexit.register(time.sleep, EXIT_GRACE_SECONDS)
 
 
 class Waitable(Protocol):
@@ -64,10 +89,13 @@ def hand_over(group: dist.ProcessGroup, *tensors: Tensor) -> tuple[Tensor, ...] 
     Pass the aliases to the collective, then ``let_go(aliases)`` once it has ended.
     None (give the tensors themselves) off gloo, for a sparse tensor (whose collective
     replaces its members rather than writing into them), and where torch keeps the work.
+    On gloo, the first call registers the exit grace (``EXIT_GRACE_SECONDS``).
     """
+    if not serving_backend(group, tensors[0].device).on_gloo_threads:
+        return None
+    _ExitGrace.register()
     if (
         not _Waiting.enabled
-        or not serving_backend(group, tensors[0].device).on_gloo_threads
         or any(tensor.layout != torch.strided for tensor in tensors)
         or _inflight_as_graph_inputs()
     ):
