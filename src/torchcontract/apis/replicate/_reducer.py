@@ -75,7 +75,7 @@ from torchcontract import (
 from .. import _torch
 from .._let_go import Collective
 from ._bucket_views import copy_in, new_buffer, point_into_bucket, split, write_back
-from ._buckets import FIRST_BUCKET_BYTES, assign_buckets_as_ddp
+from ._buckets import assign_buckets_as_ddp
 from ._comm_hook import Bucket, CommHook, hook_result
 from ._rebuild import first_limits, first_ranks_buckets, limits
 from ._state import ReplicateState
@@ -97,6 +97,10 @@ Update = Callable[[nn.Module, Callable[[ReplicateState], ReplicateState]], Repli
 
 #: A launched bucket: an all-reduce in place, or the future a communication hook returned.
 _Pending = tuple[int, "Collective | torch.futures.Future[Tensor]"]
+
+#: A bucket whose gradients average at most this many bytes is scaled in one pass over
+#: the whole bucket: below it, a Python call per gradient costs more than the pass.
+SMALL_GRADIENT_BYTES: Final = 16 * 1024
 
 _REDUCERS: weakref.WeakKeyDictionary[nn.Module, Reducer] = weakref.WeakKeyDictionary()
 
@@ -365,13 +369,16 @@ class Reducer:
         flat = self._flats[position]
         grads = [self._parameter(index).grad for index in bucket]
         scale = 1.0 if self._comm_hook is not None else 1.0 / self._divisor()
-        # As DDP: multiply by the reciprocal (bit-equal averages). A small bucket whose
-        # gradients are all present and dense takes one copy of them all and one
-        # in-place multiply, both in C (a Python call per parameter would cost more
-        # than the second pass); a large one is scaled while copied in, in one pass,
+        # As DDP: multiply by the reciprocal (bit-equal averages). A bucket of small
+        # gradients, all present and dense, takes one copy of them all and one in-place
+        # multiply, both in C (a Python call per parameter would cost more than the
+        # second pass); one of larger gradients is scaled while copied in, in one pass,
         # parameter by parameter.
         dense = [grad for grad in grads if grad is not None and not grad.is_sparse]
-        if len(dense) == len(grads) and flat.numel() * flat.element_size() <= FIRST_BUCKET_BYTES:
+        if (
+            len(dense) == len(grads)
+            and flat.numel() * flat.element_size() <= len(grads) * SMALL_GRADIENT_BYTES
+        ):
             _torch.copy_each(views, dense)
             if scale != 1.0:
                 flat.mul_(scale)
