@@ -14,6 +14,7 @@ __all__ = [
     "ContractError",
     "CyclicModuleTreeError",
     "FQNChangedError",
+    "GraphChangedError",
     "IncompatibleAPIError",
     "InvalidMeshError",
     "InvalidRecordError",
@@ -21,6 +22,7 @@ __all__ = [
     "InvalidShardDimError",
     "InvalidStateClassError",
     "InvalidTargetError",
+    "LateGradientError",
     "NoProcessGroupError",
     "NotAppliedError",
     "ReplacedParameterError",
@@ -157,6 +159,16 @@ class GraphChangedError(ContractError):
     Raised by ``replicate`` with ``static_graph=True`` in that backward, where
     ``DistributedDataParallel`` raises its ``RuntimeError``; the message starts with
     DDP's.
+    """
+
+
+class LateGradientError(ContractError):
+    """A gradient came after its bucket went out: accumulated twice in one backward.
+
+    Raised by ``replicate`` without ``static_graph`` in that backward (a reentrant
+    checkpoint that runs a parameter again, after its direct use), where
+    ``DistributedDataParallel`` raises its ``RuntimeError``; the message starts with
+    DDP's. The average sent would lack it.
     """
 
 

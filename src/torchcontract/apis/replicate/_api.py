@@ -388,6 +388,8 @@ def replicate(
             ``static_graph``, one the first synchronizing backward gave a gradient.
         GraphChangedError: With ``static_graph``, in a synchronizing backward that
             gives a gradient to a parameter the first one left unused.
+        LateGradientError: Without ``static_graph``, in a synchronizing backward that
+            gives a parameter a second gradient after its bucket was sent.
         ModelMismatchError: The ranks hold different models (raised on every rank).
         InvalidTargetError: ``module`` has no parameter that requires a gradient, or
             is a list.

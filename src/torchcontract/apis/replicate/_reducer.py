@@ -82,6 +82,7 @@ from ._state import ReplicateState
 from ._unused import (
     StaticGraph,
     graph_changed_error,
+    late_gradient_error,
     start_used_map,
     static_unused_error,
     unused_error,
@@ -322,9 +323,14 @@ class Reducer:
                 raise graph_changed_error(self._names[index], firings[index], self.where)
             if self._hooks[index] < firings[index]:
                 return
-        elif self._delays_reduction or self._task != _torch.current_graph_task_id():
-            # A static graph's first is reduced at its end; a nested backward (a
-            # reentrant checkpoint's) may accumulate into it again: at the end too.
+        elif self._delays_reduction:
+            return  # a static graph's first is reduced at its end
+        elif self._hooks[index] > 1 and self._bucket_of[index] < self._next:
+            # Its bucket went out without this gradient: DDP's error, not a wrong average.
+            raise late_gradient_error(self._names[index], self.where)
+        elif self._task != _torch.current_graph_task_id():
+            # A nested backward (a reentrant checkpoint's) may accumulate into it
+            # again: averaged at the end of the synchronizing one.
             return
         self._waiting[self._bucket_of[index]] -= 1
         self._launch_complete()

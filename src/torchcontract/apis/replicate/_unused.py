@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torchcontract import GraphChangedError, UnusedParameterError
+from torchcontract import GraphChangedError, LateGradientError, UnusedParameterError
 
 from .. import _torch
 from .._let_go import Collective
@@ -31,6 +31,7 @@ __all__ = [
     "StaticGraph",
     "UsedMap",
     "graph_changed_error",
+    "late_gradient_error",
     "start_used_map",
     "static_unused_error",
     "unused_error",
@@ -78,6 +79,17 @@ def graph_changed_error(name: str, first: int, where: Callable[[], str]) -> Grap
         f"{got}; with "
         "static_graph=True every synchronizing backward uses the parameters the first one "
         "used: pass static_graph=False, and find_unused_parameters=True where some go unused"
+    )
+
+
+def late_gradient_error(name: str, where: Callable[[], str]) -> LateGradientError:
+    """DDP's error, raised in the backward, for a gradient that came after its bucket went out."""
+    return LateGradientError(
+        "Expected to mark a variable ready only once. "
+        f"{where()}: parameter {name!r} got a gradient again in this synchronizing backward, "
+        "after its bucket was sent (a reentrant checkpoint that runs it again, or a parameter "
+        "used outside the forward); pass static_graph=True if every step uses the same "
+        "parameters, as DDP advises"
     )
 
 

@@ -1,0 +1,94 @@
+"""A parameter a reentrant checkpoint runs again, beside DDP, on a gloo group of one rank.
+
+A reentrant checkpoint accumulates its parameters' gradients in a nested backward. A
+parameter it runs after its direct use gets its second gradient after its bucket went
+out, had the bucket been sent as soon as the direct one came: DDP raises there, and so
+does ``replicate`` (``LateGradientError``), rather than average a gradient without it.
+Used the other way round, the nested gradient comes first, and both average it.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
+
+from torchcontract import LateGradientError
+from torchcontract.apis import replicate
+
+pytestmark = pytest.mark.usefixtures("one_rank_group")
+
+#: Small enough that each parameter has a bucket of its own, sent once its gradient came.
+CAP_MB: Final = 1e-5
+
+
+class Reused(nn.Module):
+    """``shared`` runs twice: inside a reentrant checkpoint, and directly."""
+
+    def __init__(self, checkpoint_first: bool) -> None:
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+        self.checkpoint_first = checkpoint_first
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.checkpoint_first:  # its backward runs last: the direct gradient comes first
+            h = self.shared(_checkpointed(self.shared, x))
+        else:
+            h = _checkpointed(self.shared, self.shared(x))
+        out: Tensor = self.head(h)
+        return out
+
+
+def _checkpointed(module: nn.Module, x: Tensor) -> Tensor:
+    out = checkpoint(module, x, use_reentrant=True)
+    assert isinstance(out, Tensor)
+    return out
+
+
+def _grads(model: nn.Module, raw: Reused) -> list[Tensor]:
+    x = torch.ones(2, 4, requires_grad=True)
+    model(x).sum().backward()
+    return [p.grad.clone() for p in raw.parameters() if p.grad is not None]
+
+
+def _seeded(checkpoint_first: bool) -> Reused:
+    torch.manual_seed(0)
+    return Reused(checkpoint_first)
+
+
+def test_a_gradient_after_its_bucket_went_out_raises_ddps_error() -> None:
+    raw = _seeded(checkpoint_first=True)
+    model = replicate(raw, bucket_cap_mb=CAP_MB)
+    with pytest.raises(LateGradientError) as ours:
+        _grads(model, raw)
+    theirs_raw = _seeded(checkpoint_first=True)
+    with pytest.raises(RuntimeError) as theirs:
+        _grads(DistributedDataParallel(theirs_raw, bucket_cap_mb=CAP_MB), theirs_raw)
+    sentence = "Expected to mark a variable ready only once."
+    assert str(theirs.value).startswith(sentence)
+    assert str(ours.value) == (
+        f"{sentence} replicate on Reused: parameter 'shared.bias' got a gradient again in "
+        "this synchronizing backward, after its bucket was sent (a reentrant checkpoint that "
+        "runs it again, or a parameter used outside the forward); pass static_graph=True if "
+        "every step uses the same parameters, as DDP advises"
+    )
+
+
+@pytest.mark.parametrize("checkpoint_first", [True, False], ids=["direct first", "nested first"])
+def test_with_a_static_graph_or_the_nested_gradient_first_the_averages_are_the_plain_ones(
+    checkpoint_first: bool,
+) -> None:
+    plain = _seeded(checkpoint_first)
+    expected = _grads(plain, plain)
+    raw = _seeded(checkpoint_first)
+    # A static graph counts each parameter's gradients in its first backward and waits.
+    model = replicate(raw, bucket_cap_mb=CAP_MB, static_graph=checkpoint_first)
+    for _ in range(3):
+        raw.zero_grad()
+        got = _grads(model, raw)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
