@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from torchcontract import LateGradientError
+from torchcontract import GraphChangedError, LateGradientError
 from torchcontract.apis import replicate
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
@@ -34,9 +34,12 @@ class Reused(nn.Module):
         self.shared = nn.Linear(4, 4)
         self.head = nn.Linear(4, 1)
         self.checkpoint_first = checkpoint_first
+        self.once = False  # ``shared`` runs once, directly
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.checkpoint_first:  # its backward runs last: the direct gradient comes first
+        if self.once:
+            h = self.shared(x)
+        elif self.checkpoint_first:  # its backward runs last: the direct gradient comes first
             h = self.shared(_checkpointed(self.shared, x))
         else:
             h = _checkpointed(self.shared, self.shared(x))
@@ -92,3 +95,30 @@ def test_with_a_static_graph_or_the_nested_gradient_first_the_averages_are_the_p
         raw.zero_grad()
         got = _grads(model, raw)
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_a_static_graph_that_runs_a_parameter_more_often_than_at_first_raises_ddps_error() -> None:
+    """Its bucket went out after as many gradients as the first backward gave it."""
+    errors: list[BaseException] = []
+    for theirs in (False, True):
+        raw = _seeded(checkpoint_first=True)
+        model: nn.Module = (
+            DistributedDataParallel(raw, bucket_cap_mb=CAP_MB, static_graph=True)
+            if theirs
+            else replicate(raw, bucket_cap_mb=CAP_MB, static_graph=True)
+        )
+        raw.once = True
+        _grads(model, raw)
+        raw.once = False
+        with pytest.raises(RuntimeError) as raised:
+            _grads(model, raw)
+        errors.append(raised.value)
+    ours, theirs_error = errors
+    sentence = "Your training graph has changed in this iteration"
+    assert str(theirs_error).startswith(sentence)
+    assert isinstance(ours, GraphChangedError)
+    assert str(ours).startswith(sentence)
+    assert (
+        "replicate on Reused: parameter 'shared.bias' got more gradients in this "
+        "synchronizing backward than the 1 of the first; " in str(ours)
+    )

@@ -1,9 +1,9 @@
 """Bucket buffers and their views: one flat buffer per bucket, one view per parameter.
 
 A bucket's buffer holds its parameters' gradients one after another; each
-parameter's view has the parameter's shape, made once with the buffer and kept across backwards, as
-DDP's. Gradients are copied in scaled; the averages are written back into ``.grad``,
-or, with ``gradient_as_bucket_view``, ``.grad`` is left as the view itself.
+parameter's view has the parameter's shape, made once with the buffer and kept across
+backwards, as DDP's. Gradients are copied in scaled; the averages are written back into
+``.grad``, or, with ``gradient_as_bucket_view``, ``.grad`` is left as the view itself.
 """
 
 from __future__ import annotations
