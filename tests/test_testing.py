@@ -19,6 +19,7 @@ from torchcontract.apis import checkpoint
 from torchcontract.testing import (
     ModelCase,
     RankFailedError,
+    _launch,
     check_api_invariants,
     free_port,
     run_distributed,
@@ -235,6 +236,29 @@ def test_free_port_can_be_bound() -> None:
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", free_port()))
+
+
+@pytest.mark.skipif(
+    not Path("/proc/sys/net/ipv4/ip_local_port_range").exists(), reason="Linux lists the range"
+)
+def test_free_port_is_below_the_ports_the_system_hands_out_itself() -> None:
+    """Those every connecting socket and ``bind(0)`` take: one could take it before its use."""
+    first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(10_000 <= port < first_ephemeral for port in ports)
+    assert len(ports) > 1  # drawn at random: two processes rarely draw the same
+
+
+def test_free_port_skips_a_port_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        drawn = iter([busy, busy, 20_000])
+        monkeypatch.setattr(_launch._pick, "randrange", lambda low, high: next(drawn))
+        assert free_port() == 20_000
 
 
 # ----------------------------------------------------------------- check_api_invariants

@@ -10,6 +10,7 @@ import faulthandler
 import multiprocessing
 import os
 import pickle
+import random
 import shutil
 import socket
 import tempfile
@@ -41,17 +42,49 @@ or ``"spawn"``."""
 _PRELOAD: Final = ["torch", "torch.distributed", "torchcontract.apis"]
 
 
+#: Where ``free_port`` looks first: below the ports the system hands out on its own.
+_LOWEST_PORT: Final = 10_000
+_EPHEMERAL_RANGE: Final = "/proc/sys/net/ipv4/ip_local_port_range"
+_pick: Final = random.SystemRandom()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0 and released).
+    """A TCP port on 127.0.0.1 that was free a moment ago (bound and released).
+
+    Drawn at random below the system's ephemeral range where the system says what that
+    is (Linux): a port from that range is what every connecting socket and every
+    ``bind(0)`` takes, gloo's among them, so one found free there can be taken by
+    another process before it is used. Elsewhere, the port the system gives to
+    ``bind(0)``.
 
     Returns:
         The port number; another process may take it before it is used, so bind it
         soon.
     """
+    try:
+        with open(_EPHEMERAL_RANGE, encoding="ascii") as ranges:
+            first_ephemeral = int(ranges.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = _LOWEST_PORT
+    for _ in range(100 if first_ephemeral > _LOWEST_PORT else 0):
+        port = _pick.randrange(_LOWEST_PORT, first_ephemeral)
+        if _bindable(port):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+        found: int = probe.getsockname()[1]
+        return found
+
+
+def _bindable(port: int) -> bool:
+    """Whether a listening socket could bind ``port`` on 127.0.0.1 now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 @overload
