@@ -347,6 +347,17 @@ DIFFERENCES: Final = (
     ),
     Difference(
         "replicate",
+        "A non-reentrant `checkpoint` around the whole model, a parameter's gradient "
+        "arriving before the recompute",
+        "trains",
+        'raises at the recompute: "Expected to have finished reduction"',
+        "The recompute runs inside the backward that is still synchronizing, which is no "
+        "failed backward. Checkpoint the blocks inside the model instead, as most models do.",
+        "tests/test_replicate_failed_backward.py"
+        "::test_a_checkpoint_recomputing_the_module_inside_its_own_backward_is_no_failure",
+    ),
+    Difference(
+        "replicate",
         "Sparse gradients",
         "refused at the synchronizing backward",
         "averaged",

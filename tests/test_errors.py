@@ -98,6 +98,7 @@ def test_every_error_is_exported() -> None:
             "ReplacedParameterError",
             "RulePredicateError",
             "ScalarParameterError",
+            "UnfinishedBackwardError",
             "UnknownTorchAPIError",
             "UnmaterializedParameterError",
             "UnnamedMeshError",

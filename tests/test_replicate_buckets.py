@@ -137,9 +137,11 @@ def test_with_find_unused_parameters_the_caps_hold_from_the_start_and_stay() -> 
 
 
 @pytest.mark.usefixtures("one_rank_group")
-def test_a_backward_that_failed_midway_leaves_no_trace_in_the_rebuilt_buckets() -> None:
-    """Its arrivals are forgotten: the rebuild lists every parameter once, from the next one."""
-    model = replicate(_six_layers(), bucket_cap_mb=CAP_MB)
+def test_a_failed_first_static_backward_leaves_no_trace_in_the_rebuilt_buckets() -> None:
+    """It sent nothing, so training goes on, as DDP's (any other backward that failed
+    midway is an error at the next forward): its arrivals are forgotten, and the rebuild
+    lists every parameter once, from the later ones."""
+    model = replicate(_six_layers(), bucket_cap_mb=CAP_MB, static_graph=True)
 
     failing = True
 
@@ -155,7 +157,8 @@ def test_a_backward_that_failed_midway_leaves_no_trace_in_the_rebuilt_buckets() 
     with pytest.raises(ValueError, match="a hook failed"):
         model(x).sum().backward()
     failing = False
-    _step(model)  # a whole synchronizing backward
+    _step(model)  # the static graph's first whole synchronizing backward
+    _step(model)  # the second: the arrival order the buckets are rebuilt from
     loss = model(x).sum()  # the rebuild
     names = [name for bucket in replicate.state(model).buckets for name in bucket]
     assert sorted(names) == sorted(name for name, _ in model.named_parameters())

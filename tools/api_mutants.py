@@ -54,6 +54,8 @@ REAL_USE: Final = "tests/distributed/test_replicate_real_use_gloo.py"
 REPLICATE: Final = "tests/distributed/test_replicate_gloo.py"
 REPLICATE_PARITY: Final = "tests/distributed/test_replicate_parity_gloo.py"
 REPLICATE_KEYWORDS: Final = "tests/distributed/test_replicate_keywords_gloo.py"
+REPLICATE_BUCKETS: Final = "tests/test_replicate_buckets.py"
+FAILED_BACKWARD: Final = "tests/test_replicate_failed_backward.py"
 HOOK_BUCKETS: Final = "tests/distributed/test_replicate_hook_buckets_gloo.py"
 TESTING: Final = "tests/test_testing.py"
 GUARANTEES: Final = "tests/test_testing_guarantees.py"
@@ -168,16 +170,16 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
     Mutant(
         "replicate_rebuilt_buckets_reversed",
         "apis/replicate/_rebuild.py",
-        "    return _torch.to_ints(shared)\n",
-        "    return _torch.to_ints(shared)[::-1]\n",
+        "    return result\n",
+        "    return result[::-1]\n",
         (COLLECTIVES,),
         "the rebuilt buckets launch in reverse order",
     ),
     Mutant(
         "replicate_unused_rebuilt_last_defined_first",
-        "apis/replicate/_rebuild.py",
-        "[i for i in range(count) if i not in arrived]",
-        "[i for i in reversed(range(count)) if i not in arrived]",
+        "apis/replicate/_reducer.py",
+        "*(index for index in range(len(self._names)) if index not in arrived)",
+        "*(index for index in reversed(range(len(self._names))) if index not in arrived)",
         (HOOK_BUCKETS,),
         "a rebuild appends never-used parameters last-defined first (DDP: in definition order)",
     ),
@@ -240,9 +242,9 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
     Mutant(
         "replicate_views_give_unused_zeros",
         "apis/replicate/_bucket_views.py",
-        "    for index, view in zip(bucket, views, strict=False):\n"
+        "    for index, view in zip(bucket, views, strict=True):\n"
         "        if not used[index]:\n            continue\n",
-        "    for index, view in zip(bucket, views, strict=False):\n",
+        "    for index, view in zip(bucket, views, strict=True):\n",
         (REPLICATE_KEYWORDS,),
         "with gradient_as_bucket_view, a parameter no rank used gets a zero gradient",
     ),
@@ -251,8 +253,16 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
         "apis/replicate/_reducer.py",
         "            self._reset_backward()\n        self._task = task",
         "            pass\n        self._task = task",
-        (REAL_USE,),
-        "the reducer is not reset after a synchronizing backward that failed",
+        (REPLICATE_BUCKETS,),
+        "the reducer is not reset after a synchronizing backward that failed harmlessly",
+    ),
+    Mutant(
+        "replicate_trains_on_after_failed_backward",
+        "apis/replicate/_reducer.py",
+        "        if self.unfinished is None and self._failed_midway():",
+        "        if False:",
+        (REAL_USE, FAILED_BACKWARD),
+        "a forward after a backward that raised midway does not raise",
     ),
     Mutant(
         "replicate_no_sync_ignored",
@@ -265,8 +275,9 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
     Mutant(
         "replicate_rank_local_broadcasts",
         "apis/replicate/_forward.py",
-        "    if record.rank_local:\n        return\n    if reducer.unfinished",
-        "    if reducer.unfinished",
+        "    if record.rank_local:\n        return\n    if torch.is_grad_enabled():\n"
+        "        # DDP's check",
+        "    if torch.is_grad_enabled():\n        # DDP's check",
         (COLLECTIVES,),
         "a rank-local forward broadcasts buffers (and hangs when the other rank waits)",
     ),
@@ -281,17 +292,17 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
     Mutant(
         "replicate_unused_given_zeros",
         "apis/replicate/_bucket_views.py",
-        "    for index, average in zip(bucket, views, strict=False):\n"
+        "    for index, average in zip(bucket, views, strict=True):\n"
         "        if not used[index]:\n            continue\n",
-        "    for index, average in zip(bucket, views, strict=False):\n",
+        "    for index, average in zip(bucket, views, strict=True):\n",
         (REPLICATE,),
         "a parameter no rank used is given the (zero) average",
     ),
     Mutant(
         "replicate_sums",
         "apis/replicate/_reducer.py",
-        "scale = 1.0 / self._divisor()",
-        "scale = 1.0",
+        "else 1.0 / self._divisor()",
+        "else 1.0",
         (REPLICATE_PARITY,),
         "gradients summed over ranks instead of averaged",
     ),

@@ -28,6 +28,7 @@ __all__ = [
     "ReplacedParameterError",
     "RulePredicateError",
     "ScalarParameterError",
+    "UnfinishedBackwardError",
     "UnknownTorchAPIError",
     "UnmaterializedParameterError",
     "UnnamedMeshError",
@@ -169,6 +170,18 @@ class LateGradientError(ContractError):
     checkpoint that runs a parameter again, after its direct use), where
     ``DistributedDataParallel`` raises its ``RuntimeError``; the message starts with
     DDP's. The average sent would lack it.
+    """
+
+
+class UnfinishedBackwardError(ContractError):
+    """The last synchronizing backward raised midway, after gradients had begun to arrive.
+
+    Its buckets may have gone out on some ranks and not on others, so this rank's
+    collectives may no longer pair with theirs. Raised by ``replicate`` at every
+    later forward with grad enabled (and by a backward started again without one),
+    where ``DistributedDataParallel`` raises its ``RuntimeError``; the message
+    starts with DDP's. A backward that raised before any gradient arrived, or a
+    static graph's first (which sends nothing before its end), leaves no trace.
     """
 
 

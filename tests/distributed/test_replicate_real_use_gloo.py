@@ -523,38 +523,36 @@ class Failing(nn.Module):
         return out
 
 
-def _after_failed_backwards(rank: int) -> tuple[float, int, int]:
-    """Backwards that fail after the last layer's bucket was launched, each followed by a
-    step; every step must equal DDP's, which never ran the failing ones.
+def _after_failed_backwards(rank: int) -> list[tuple[str, str]]:
+    """A backward that raises on every rank after the last layer's bucket was sent, then two
+    steps, under DDP and under replicate, as each name what follows: the exception's class
+    and its first sentence, per step.
 
-    The largest gradient gap, the failures seen, and the synchronized steps counted.
+    The failed backward's collectives must end on both ranks (this returns at all), and
+    each later forward must raise where DDP's raises.
     """
-    torch.manual_seed(0)
-    mine = Failing()
-    torch.manual_seed(0)
-    raw = Failing()
-    # One bucket per parameter: the last layer's are launched before the failure.
-    replicate(mine, bucket_cap_mb=0.001)
-    ddp = DistributedDataParallel(raw, find_unused_parameters=True)
-    gap = 0.0
-    failures = 0
-    for step in range(6):
-        generator = torch.Generator().manual_seed(10 * rank + step)
-        x = torch.randn(32, 64, generator=generator) * (rank + 1)
+    seen: list[tuple[str, str]] = []
+    for wrap in (
+        # One bucket per parameter: the last layer's is sent before the failure.
+        lambda model: replicate(model, bucket_cap_mb=0.001),
+        lambda model: DistributedDataParallel(model, bucket_cap_mb=0.001),
+    ):
+        torch.manual_seed(0)
+        model = wrap(Failing())
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(rank))
         _Fail.armed = True
         try:
-            torch.autograd.backward(mine(x * 3).pow(2).mean())
-        except ValueError:
-            failures += 1
+            with pytest.raises(ValueError, match="planned failure"):
+                torch.autograd.backward(model(x).pow(2).mean())
         finally:
             _Fail.armed = False
-        mine.zero_grad()
-        torch.autograd.backward(mine(x).pow(2).mean())
-        torch.autograd.backward(ddp(x).pow(2).mean())
-        gap = max(gap, _gap(_grads(mine), _grads(raw)))
-        mine.zero_grad()
-        raw.zero_grad()
-    return gap, failures, replicate.state(mine).step
+        for _ in range(2):
+            try:
+                torch.autograd.backward(model(x).pow(2).mean())
+                seen.append(("no error", ""))
+            except RuntimeError as error:
+                seen.append((type(error).__name__, str(error).split(". ")[0]))
+    return seen
 
 
 def _without_buffer_broadcast(rank: int) -> tuple[float, float, float]:
@@ -725,12 +723,17 @@ def test_group_this_rank_is_not_in_is_refused(ranks: list[Results]) -> None:
     )
 
 
-def test_step_after_backwards_that_failed_midway_equals_ddp(ranks: list[Results]) -> None:
+def test_every_forward_after_a_backward_that_failed_midway_raises_as_ddp(
+    ranks: list[Results],
+) -> None:
+    first = "Expected to have finished reduction in the prior iteration before starting a new one"
     for rank in ranks:
-        gap, failures, steps = rank["failed_backwards"]
-        assert failures == 6
-        assert gap <= TOLERANCE, f"gradients differ from DDP's by {gap}"
-        assert steps == 6
+        assert rank["failed_backwards"] == [
+            ("UnfinishedBackwardError", first),
+            ("UnfinishedBackwardError", first),
+            ("RuntimeError", first),
+            ("RuntimeError", first),
+        ]
 
 
 def test_broadcast_buffers_false_keeps_each_ranks_statistics_as_ddp(ranks: list[Results]) -> None:

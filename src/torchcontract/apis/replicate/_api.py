@@ -390,6 +390,8 @@ def replicate(
             gives a gradient to a parameter the first one left unused.
         LateGradientError: Without ``static_graph``, in a synchronizing backward that
             gives a parameter a second gradient after its bucket was sent.
+        UnfinishedBackwardError: At every forward with grad enabled after a
+            synchronizing backward that raised once gradients had begun to arrive.
         ModelMismatchError: The ranks hold different models (raised on every rank).
         InvalidTargetError: ``module`` has no parameter that requires a gradient, or
             is a list.

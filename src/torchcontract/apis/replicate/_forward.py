@@ -1,7 +1,7 @@
 """The forward of a replicated module, as DDP's: buffers broadcast before, outputs armed after.
 
 Before a forward (``before_forward``): DDP's error for a backward that left a
-parameter without gradient, the buckets' rebuild once it is due, then rank 0's
+parameter without gradient or raised midway, the buckets' rebuild once it is due, then rank 0's
 buffers broadcast where DDP would. After it
 (``after_forward``): the tensors of a synchronizing forward's output that require grad
 are armed, so the first backward through them synchronizes. Under Join the joined
@@ -45,9 +45,9 @@ def before_forward(reducer: Reducer, module: nn.Module) -> None:
         reducer.checked_torch_apis = True
     if record.rank_local:
         return
-    if reducer.unfinished is not None and torch.is_grad_enabled():
+    if torch.is_grad_enabled():
         # DDP's check, at the same moment: before any forward with grad enabled.
-        raise reducer.unfinished
+        reducer.check_finished()
     # Under Join, tell the joined ranks this one has not joined (the sum is the
     # count of ranks not joined); None outside Join.
     reducer.active_ranks = Join.notify_join_context(cast(Joinable, module))

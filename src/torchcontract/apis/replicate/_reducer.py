@@ -28,6 +28,11 @@ Semantics are those of ``DistributedDataParallel``, keyword for keyword:
   gets a gradient raises DDP's error in that backward (``GraphChangedError``), one
   the first gave a gradient and this one did not at the next forward
   (``UnusedParameterError``).
+* A synchronizing backward that raised after gradients began to arrive (a static
+  graph's first aside, which sends nothing before its end) leaves this rank's
+  collectives possibly out of step with the others': every later forward with grad
+  enabled raises DDP's error (``UnfinishedBackwardError``), as DDP's. One that raised
+  before any arrived leaves no trace.
 * Buckets are all-reduced asynchronously, strictly in order, each as soon as all
   of its parameters' gradients arrived in this backward; the rest at the end.
   They are DDP's in every backward, hook or not: first assigned by DDP's rule
@@ -85,6 +90,7 @@ from ._unused import (
     late_gradient_error,
     start_used_map,
     static_unused_error,
+    unfinished_backward_error,
     unused_error,
     used_on_some_rank,
 )
@@ -180,8 +186,9 @@ class Reducer:
         # enabled (``rebuild_if_due``); None until it is known, and once rebuilt.
         self._rebuild_from: list[int] | None = None
         # Set by a synchronized backward in which some parameters got no gradient (without
-        # unused parameters found): the error the next forward raises, as DDP's.
-        self.unfinished: UnusedParameterError | None = None
+        # unused parameters found), or found to have raised midway: the error every
+        # later forward with grad enabled raises, as DDP's.
+        self.unfinished: ContractError | None = None
         self._task = -1  # the autograd graph task that synchronizes, or -1
         # DDP's require_forward_param_sync: buffers are broadcast before a forward
         # that follows a synchronizing one (and before the first).
@@ -293,14 +300,39 @@ class Reducer:
 
     # ------------------------------------------------------------ backward
 
+    def check_finished(self) -> None:
+        """DDP's check before a forward with grad enabled: the last backward came to its end.
+
+        Raises the error of one that left parameters without gradient, or of one that
+        raised midway (``_failed_midway``), now and at every later call.
+        """
+        if self.unfinished is None and self._failed_midway():
+            self.unfinished = unfinished_backward_error(self.where)
+        if self.unfinished is not None:
+            raise self.unfinished
+
+    def _failed_midway(self) -> bool:
+        """Whether a synchronizing backward raised after its gradients began to arrive.
+
+        One still running is not over (a forward inside it, a checkpoint's recompute);
+        one that raised before any arrived sent nothing, nor did a static graph's first,
+        which sends all at its end: both start afresh, as DDP's.
+        """
+        return (
+            self._task not in (-1, _torch.current_graph_task_id())
+            and any(self._hooks)
+            and not self._delays_reduction
+        )
+
     def begin(self) -> None:
         """Synchronize the backward now running (called from an armed output's hook)."""
         task = _torch.current_graph_task_id()
         if self._task == task:
             return  # another armed output of the same backward
         if self._task != -1:
-            # A synchronizing backward failed before its end: start afresh, once the
-            # collectives it launched have ended.
+            # A synchronizing backward raised before its end: DDP's error if it raised
+            # midway, or else start afresh, once the collectives it launched have ended.
+            self.check_finished()
             self._reset_backward()
         self._task = task
         _torch.queue_callback(self._finish)

@@ -9,7 +9,8 @@ synchronizing backward (``used_on_some_rank``), as DDP's.
 With ``static_graph``, the first synchronizing backward all-reduces that map once and
 fixes it (``StaticGraph``): later ones send no map, and a parameter that
 arrives where the first had none, or the other way round, is DDP's error
-(``graph_changed_error``, ``static_unused_error``).
+(``graph_changed_error``, ``static_unused_error``). A backward that raised midway
+is DDP's error at the next forward too (``unfinished_backward_error``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torchcontract import GraphChangedError, LateGradientError, UnusedParameterError
+from torchcontract import (
+    GraphChangedError,
+    LateGradientError,
+    UnfinishedBackwardError,
+    UnusedParameterError,
+)
 
 from .. import _torch
 from .._let_go import Collective
@@ -34,6 +40,7 @@ __all__ = [
     "late_gradient_error",
     "start_used_map",
     "static_unused_error",
+    "unfinished_backward_error",
     "unused_error",
     "used_on_some_rank",
 ]
@@ -90,6 +97,17 @@ def late_gradient_error(name: str, where: Callable[[], str]) -> LateGradientErro
         "after its bucket was sent (a reentrant checkpoint that runs it again, or a parameter "
         "used outside the forward); pass static_graph=True if every step uses the same "
         "parameters, as DDP advises"
+    )
+
+
+def unfinished_backward_error(where: Callable[[], str]) -> UnfinishedBackwardError:
+    """DDP's error, raised by the next forward, for a backward that raised midway."""
+    return UnfinishedBackwardError(
+        f"{_UNFINISHED}{where()}: the last synchronizing backward raised after gradients had "
+        "begun to arrive; its buckets may have been sent on some ranks and not on others, so "
+        "this rank's collectives may no longer pair with theirs, and no gradient of that "
+        "backward was averaged. As with DDP, the module cannot train on: resume from a "
+        "checkpoint in a new process; to skip a batch, decide on every rank before its backward"
     )
 
 
