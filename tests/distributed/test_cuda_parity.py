@@ -92,8 +92,10 @@ def _torch(policy: MixedPrecisionPolicy) -> Shard:
     return shard
 
 
-def _compare(mesh: DeviceMesh, ours: Shard, theirs: Shard, tolerance: float) -> None:
-    mine, reference = gpt().cuda(), gpt().cuda()
+def _compare(
+    mesh: DeviceMesh, ours: Shard, theirs: Shard, tolerance: float, *, built_on_cpu: bool = False
+) -> None:
+    mine, reference = (gpt() if built_on_cpu else gpt().cuda() for _ in range(2))
     ours(mine, mesh)
     theirs(reference, mesh)
     my_losses, their_losses = _train(mine), _train(reference)
@@ -104,6 +106,17 @@ def _compare(mesh: DeviceMesh, ours: Shard, theirs: Shard, tolerance: float) -> 
 def test_fully_shard_matches_fsdp2_on_cuda(mesh: DeviceMesh) -> None:
     policy = MixedPrecisionPolicy()
     _compare(mesh, _ours(policy), _torch(policy), TOLERANCE)
+
+
+def test_a_model_built_on_the_cpu_is_moved_to_the_meshs_device_as_fsdp2_moves_it(
+    mesh: DeviceMesh,
+) -> None:
+    policy = MixedPrecisionPolicy()
+    model = gpt()
+    _ours(policy)(model, mesh)
+    where = {tensor.device for tensor in [*model.parameters(), *model.buffers()]}
+    assert where == {torch.device("cuda", torch.cuda.current_device())}
+    _compare(mesh, _ours(policy), _torch(policy), TOLERANCE, built_on_cpu=True)
 
 
 def test_fully_shard_matches_fsdp2_under_bfloat16_mixed_precision_on_cuda(

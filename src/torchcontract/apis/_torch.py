@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import _JoinConfig
 from torch.distributed.tensor import DTensor
 from torch.utils import checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.hooks import RemovableHandle
 
 from . import _compat
@@ -48,6 +49,7 @@ __all__ = [
     "get_device_states",
     "host_values_on",
     "infer_device_type",
+    "is_wrapper_subclass",
     "manual_seed",
     "nccl_version",
     "optimizer_step",
@@ -131,6 +133,8 @@ def outside_compile(function: Callable[_P, _R]) -> Callable[_P, _R]:
 
 #: ``swap_tensors(a, b)``: exchange two tensors' contents, keeping each Python object.
 swap_tensors: Final = cast(Callable[[Tensor, Tensor], None], torch.utils.swap_tensors)
+#: Whether a tensor is a wrapper subclass (its data cannot be set: swap it instead).
+is_wrapper_subclass: Final = cast(Callable[[Tensor], bool], is_traceable_wrapper_subclass)
 
 _all_reduce: Final = cast(Callable[..., dist.Work | None], dist.all_reduce)
 

@@ -49,6 +49,7 @@ from ._arguments import (
     post_forward_size_of,
     read_resharding,
 )
+from ._device import managed_buffers, mesh_device, move_to
 from ._group import ALL_GROUPS, ParamGroup
 from ._hooks import ForwardHooks
 from ._layout import check_post_forward
@@ -183,7 +184,9 @@ def fully_shard(
     tensor, its shard a ``DTensor`` on the data-parallel and TP meshes together,
     as FSDP2's. Each module (each outer one of a list) becomes
     an instance of ``FSDP<Class>``, a subclass of ``torch.distributed.fsdp.FSDPModule``
-    and of its class, whose ``FSDPModule`` methods act on this application. Its
+    and of its class, whose ``FSDPModule`` methods act on this application. The
+    parameters it shards and its managed modules' buffers are moved to the mesh's
+    device first, in place, as FSDP2 moves them (the meta device's stay). Its
     forward all-gathers the parameters first; backward gathers them again if
     freed and reduce-scatters the gradients, averaged over the mesh, into the
     sharded parameters' ``.grad``. If anything is refused, nothing is changed, the
@@ -282,6 +285,14 @@ def fully_shard(
     if post_forward_size is not None:  # checked before making its groups
         check_post_forward(targets[0], zip(found, layouts, strict=True), post_forward_size)
         post_forward = post_forward_mesh(post_forward_size, mesh)
+    # FSDP2's move onto the mesh's device, before sharding; undone on rollback.
+    moved = move_to(
+        mesh_device(mesh),
+        (item.parameter for item in found),
+        managed_buffers(targets, fully_shard.is_applied),
+    )
+    if moved:
+        on_rollback(moved)
     parameters = [
         ManagedParameter(
             item.fqn,
