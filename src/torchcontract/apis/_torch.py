@@ -7,7 +7,7 @@ without suppressing anything.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Final, ParamSpec, TypeVar, cast
 
@@ -54,6 +54,7 @@ __all__ = [
     "nccl_version",
     "optimizer_step",
     "outside_compile",
+    "post_accumulate_grad_hooks",
     "queue_callback",
     "reduce_scatter_average",
     "reduce_scatter_sum",
@@ -339,6 +340,15 @@ def register_post_accumulate_grad_hook(
         parameter.register_post_accumulate_grad_hook,
     )
     return register(hook)
+
+
+def post_accumulate_grad_hooks(parameter: Tensor) -> list[Callable[[Tensor], None]]:
+    """The hooks ``register_post_accumulate_grad_hook`` gave ``parameter``, in order."""
+    hooks = cast(
+        "Mapping[int, Callable[[Tensor], None]] | None",
+        getattr(parameter, "_post_accumulate_grad_hooks", None),
+    )
+    return list(hooks.values()) if hooks else []
 
 
 _all_gather_single: Final = _compat.all_gather_single

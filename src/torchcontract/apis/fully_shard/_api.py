@@ -248,7 +248,8 @@ def fully_shard(
             parameter shared with another application's modules is sharded again,
             as FSDP2 does, and the root's first forward raises it (a ``ValueError``).
         ScalarParameterError: A 0-d parameter (a ``ValueError``, as FSDP2's).
-        ContractError: No process group.
+        NoProcessGroupError: No ``mesh`` was given and no default process group is
+            initialized (a ``ValueError`` too).
 
     The first forward, as FSDP2's lazy init, takes as a shard a ``DTensor``
     parameter registered since in place of one (``ReplacedParameterError`` for
@@ -322,7 +323,10 @@ def fully_shard(
     hooks = ForwardHooks(group, mp_policy)
     handles: list[RemovableHandle] = []
     for target in targets:
-        handles.append(target.register_forward_pre_hook(hooks.before, with_kwargs=True))
+        # First, as FSDP2's: pre-hooks registered before see the gathered parameters.
+        handles.append(
+            target.register_forward_pre_hook(hooks.before, prepend=True, with_kwargs=True)
+        )
         handles.append(target.register_forward_hook(hooks.after))
     handles.extend(register_state_dict_hooks(group, targets))
     ALL_GROUPS.add(group)

@@ -1,8 +1,9 @@
 """The parameters one fully_shard application manages, found and validated, and their layouts.
 
-``find_parameters`` walks the targets once: it leaves out what a nested application
-or ``ignored_params`` covers, refuses what another application manages and scalars,
-and reads nothing else. ``layouts_of`` gives each parameter its shard dim and layout.
+``find_parameters`` walks the targets once: it leaves out the modules of a nested
+application, as FSDP2 does (their parameters, managed or not), and what
+``ignored_params`` covers, refuses what another application manages and scalars, and
+reads nothing else. ``layouts_of`` gives each parameter its shard dim and layout.
 """
 
 from __future__ import annotations
@@ -39,7 +40,12 @@ class Found:
 def find_parameters(
     targets: Sequence[nn.Module], ignored: Set[int], skipped: list[str]
 ) -> list[Found]:
-    """The parameters under ``targets`` that no nested application manages, validated.
+    """The parameters under ``targets``, short of nested applications' modules, validated.
+
+    As FSDP2's managed modules: a module (other than a target) that another
+    ``fully_shard`` application targets is not entered, so a parameter under it that
+    that application does not manage (ignored there, or registered after it) is left
+    as it is, not sharded here.
 
     Raises ``AlreadyManagedError`` for a parameter another application that is
     not nested in the targets manages; ``ScalarParameterError`` for a 0-d one. A
@@ -55,8 +61,16 @@ def find_parameters(
     nested: dict[int, bool] = {}  # by group id: whether one of its modules is inside
     found: dict[int, Found] = {}
     seen_ignored: set[int] = set()
+    own = {id(target) for target in targets}
     for target in targets:
+        skipped_below: str | None = None  # the FQN prefix of a nested application's modules
         for prefix, module in named_tree(target):
+            if skipped_below is not None and prefix.startswith(skipped_below):
+                continue  # pre-order: a skipped module's subtree comes right after it
+            skipped_below = None
+            if id(module) not in own and MANAGED.group_of(module) is not None:
+                skipped_below = prefix + "."
+                continue
             for name, parameter in module._parameters.items():
                 if parameter is None:
                     continue

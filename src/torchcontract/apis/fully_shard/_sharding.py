@@ -485,6 +485,8 @@ class ManagedParameter:
         """Add ``local`` (this rank's rows, in the shard's dtype) to ``.grad``, or make it that.
 
         A new ``.grad`` holds ``local`` itself, not a copy (FSDP2's view of its flat output).
+        Then the shard's post-accumulate-grad hooks run, as FSDP2 runs them once it wrote
+        ``.grad`` (an optimizer stepping in backward registers them).
         """
         grad = self.sharded.grad
         with torch.no_grad():
@@ -492,6 +494,10 @@ class ManagedParameter:
                 self.sharded.grad = self._sharded_grad(local)
             else:
                 as_dtensor(grad)._local_tensor.add_(local)
+        hooks = _torch.post_accumulate_grad_hooks(self.sharded)
+        if hooks:
+            for hook in hooks:
+                hook(self.sharded)
 
     def _sharded_grad(self, local: Tensor) -> DTensor:
         """``local`` as the shard's ``.grad``: a ``DTensor`` of the shard's spec.
