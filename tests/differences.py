@@ -23,7 +23,7 @@ from torchcontract import (
     NoProcessGroupError,
 )
 from torchcontract.apis import ModelMismatchError
-from torchcontract.apis.replicate import UnsupportedKeywordError
+from torchcontract.apis.replicate import InvalidKeywordError, UnsupportedKeywordError
 
 __all__ = [
     "DIFFERENCES",
@@ -69,7 +69,8 @@ class Keyword:
     """One keyword of PyTorch's API: whether ours takes it, and what to know.
 
     ``refused``: taken at its default only; any other value raises this (the table
-    shows it; the test asserts it).
+    shows it; the test asserts it). ``pair``: a keyword that must be given with this
+    one; given without it, this one raises ``alone`` instead.
     """
 
     api: API
@@ -77,6 +78,8 @@ class Keyword:
     taken: bool
     note: str
     refused: type[BaseException] | None = None
+    pair: str | None = None
+    alone: type[BaseException] | None = None
 
 
 @dataclass(frozen=True)
@@ -133,10 +136,12 @@ DIFFERENCES: Final = (
     ),
     Difference(
         "fully_shard",
-        "Forward prefetch on CPU",
-        "the next group's all-gather starts early, in the previous iteration's order",
-        "none on CPU: its overlap comes from accelerator streams",
-        "Asynchronous gloo collectives are the only overlap CPU has. Values are the same; "
+        "Implicit forward prefetch",
+        "on every device: the next group's all-gather starts early, in the previous "
+        "iteration's order",
+        "none: each all-gather starts at its group's forward (on an accelerator, on a stream "
+        "of its own)",
+        "On CPU, asynchronous gloo collectives are the only overlap. Values are the same; "
         "`set_implicit_prefetch(model, False)` turns it off.",
         _DISTRIBUTED + "test_fully_shard_prefetch_gloo.py"
         "::test_forward_prefetches_the_next_block_while_the_current_one_computes",
@@ -426,15 +431,19 @@ KEYWORDS: Final = (
         "replicate",
         "delay_all_reduce_named_params",
         True,
-        "not implemented: `None` only",
+        "not implemented: `None` only; one of the two alone is a `ValueError`, as in DDP",
         UnsupportedKeywordError,
+        pair="param_to_hook_all_reduce",
+        alone=InvalidKeywordError,
     ),
     Keyword(
         "replicate",
         "param_to_hook_all_reduce",
         True,
-        "not implemented: `None` only",
+        "not implemented: `None` only; one of the two alone is a `ValueError`, as in DDP",
         UnsupportedKeywordError,
+        pair="delay_all_reduce_named_params",
+        alone=InvalidKeywordError,
     ),
     Keyword(
         "replicate",
@@ -537,6 +546,11 @@ def render_keywords(api: API) -> str:
             taken = "taken" if row.taken else "refused: `TypeError`"
             if row.refused is not None:
                 taken = f"at its default only; another value: `{row.refused.__name__}`"
+            if row.refused is not None and row.pair is not None and row.alone is not None:
+                taken = (
+                    f"at its default only; another value, with `{row.pair}`: "
+                    f"`{row.refused.__name__}`; without it: `{row.alone.__name__}`"
+                )
             lines.append(f"| `{row.name}` | {taken} | {_cell(row.note)} |")
     return "\n".join(lines)
 
