@@ -144,8 +144,7 @@ def _nested_applications_unmanaged_parameters(rank: int, mesh: DeviceMesh) -> Re
         for _ in range(STEPS):
             torch.autograd.backward(model(x).pow(2).sum())
         found[name] = [
-            isinstance(parameter, DTensor)
-            for parameter in (block.norm.weight, block.inner.adapter)
+            isinstance(parameter, DTensor) for parameter in (block.norm.weight, block.inner.adapter)
         ]
         grads.append(full_gradients(model))
     found["gap"] = largest_gap(*grads)

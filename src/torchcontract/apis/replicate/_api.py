@@ -35,6 +35,7 @@ from ._autograd_hooks import ParameterHook
 from ._buckets import broadcast_from_first_rank
 from ._devices import InvalidKeywordError, MoveInputs, devices
 from ._forward import after_forward, before_forward
+from ._ignored import ignored_names, kept_buffers, kept_parameters
 from ._keywords import (
     buffer_sync,
     refuse_unsupported,
@@ -74,6 +75,9 @@ class _ForwardHooks:
     def __reduce__(self) -> tuple[type[_ForwardHooks], tuple[None]]:
         return _ForwardHooks, (None,)
 
+    # Eager under torch.compile, as FSDP2's hooks: its broadcasts and rebuild are
+    # collectives on the group, which dynamo cannot trace.
+    @_torch.outside_compile
     def before(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if self._reducer is not None:
             before_forward(self._reducer, module)
@@ -382,7 +386,8 @@ def replicate(
         ``module`` itself (the contract returns what it was given), typed as given.
 
     Raises:
-        ContractError: No process group is initialized.
+        NoProcessGroupError: No ``process_group`` was given and no default process group
+            is initialized (a ``ValueError`` too, as DDP raises).
         UnusedParameterError: With ``find_unused_parameters=False``, at the forward
             after a synchronizing backward in which a parameter got no gradient; with
             ``static_graph``, one the first synchronizing backward gave a gradient.
@@ -440,19 +445,24 @@ def replicate(
     )
     buffers = buffer_sync(module, broadcast_buffers, forward_sync_buffers)
     group = _group(module, _mesh_group(module, process_group, device_mesh))
-    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    ignored = ignored_names(module)
+    named = [(name, p) for name, p in kept_parameters(module, ignored) if p.requires_grad]
     _require_trainable(module, named)
     placed = devices(module, [p for _, p in module.named_parameters()], device_ids, output_device)
     warn_check_reduction(module, check_reduction)
     if group.size() > 1 and init_sync:
-        check_same_model(module, group, named[0][1].device)
-        synced = [*module.parameters(), *(module.buffers() if buffers.at_apply else ())]
+        check_same_model(module, group, named[0][1].device, ignored)
+        synced = [
+            *(p for _, p in kept_parameters(module, ignored)),
+            *(kept_buffers(module, ignored) if buffers.at_apply else ()),
+        ]
         broadcast_from_first_rank(synced, group)
     reducer = Reducer(
         module,
         replicate.application(module),
         group=group,
         named=named,
+        ignored=ignored,
         cap_bytes=cap_bytes,
         default_cap=bucket_cap_mb is None and not cap_list,
         find_unused=find_unused_parameters,

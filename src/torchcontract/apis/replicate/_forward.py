@@ -10,10 +10,12 @@ ranks are told what follows (``_join`` meets these collectives).
 
 from __future__ import annotations
 
+import contextlib
 from typing import cast
 
 import torch
 from torch import nn
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.algorithms.join import Join, Joinable
 
 from torchcontract import ContractError
@@ -21,6 +23,7 @@ from torchcontract import ContractError
 from .. import _torch
 from ._autograd_hooks import Armed
 from ._buckets import broadcast_from
+from ._ignored import kept_buffers
 from ._outputs import find_tensors
 from ._reducer import Reducer
 from ._state import ReplicateState
@@ -71,9 +74,18 @@ def will_broadcast_buffers(reducer: Reducer, record: ReplicateState) -> bool:
 
 
 def broadcast_buffers(reducer: Reducer, module: nn.Module, source: int) -> None:
-    """Overwrite ``module``'s buffers with group rank ``source``'s (a collective)."""
+    """Overwrite ``module``'s buffers with group rank ``source``'s (a collective).
+
+    Their version counters are kept, as DDP's: a graph of an earlier forward not yet
+    run backward (two views through BatchNorm, then one loss) saved them, and still
+    holds, as under DDP, where the broadcast wrote rank ``source``'s same statistics.
+    """
     # Read the buffers anew each time, as DDP does: a forward may have replaced one.
-    broadcast_from(list(module.buffers()), reducer.group, source)
+    buffers = kept_buffers(module, reducer.ignored)
+    with contextlib.ExitStack() as versions:
+        for buffer in buffers:
+            versions.enter_context(_unsafe_preserve_version_counter(buffer))
+        broadcast_from(buffers, reducer.group, source)
 
 
 def common_rank(reducer: Reducer, candidate: bool) -> int:

@@ -17,6 +17,7 @@ from torch.distributed.algorithms.join import JoinHook
 from .. import _torch
 from ._buckets import broadcast_from
 from ._forward import broadcast_buffers, common_rank, will_broadcast_buffers
+from ._ignored import kept_buffers, kept_parameters
 from ._reducer import Reducer
 
 __all__ = ["ReplicateJoinHook"]
@@ -61,7 +62,7 @@ class ReplicateJoinHook(JoinHook):
         if record is None:
             return
         source = common_rank(reducer, is_last_joiner)
-        tensors: list[Tensor] = [*module.parameters()]
+        tensors: list[Tensor] = [p for _, p in kept_parameters(module, reducer.ignored)]
         if record.broadcast_buffers:
-            tensors.extend(module.buffers())
+            tensors.extend(kept_buffers(module, reducer.ignored))
         broadcast_from(tensors, reducer.group, source)

@@ -82,6 +82,7 @@ from .._let_go import Collective
 from ._bucket_views import copy_in, new_buffer, point_into_bucket, split, write_back
 from ._buckets import assign_buckets_as_ddp
 from ._comm_hook import Bucket, CommHook, hook_result
+from ._ignored import kept_buffers
 from ._rebuild import first_limits, first_ranks_buckets, limits
 from ._state import ReplicateState
 from ._unused import (
@@ -130,6 +131,7 @@ class Reducer:
         *,
         group: dist.ProcessGroup,
         named: Sequence[tuple[str, nn.Parameter]],
+        ignored: frozenset[str] = frozenset(),
         cap_bytes: int,
         default_cap: bool,
         find_unused: bool = False,
@@ -195,7 +197,9 @@ class Reducer:
         self.sync_buffers_next_forward = True
         # As DDP: a module without buffers at apply never broadcasts any, and skips the
         # walk over its tree that finds them on every forward.
-        self.has_buffers = next(module.buffers(), None) is not None
+        #: DDP's parameters and buffers to ignore (``_ignored``): never broadcast.
+        self.ignored = ignored
+        self.has_buffers = bool(kept_buffers(module, ignored))
         # Whether a forward checked that torch's own APIs came not after ours (_forward).
         self.checked_torch_apis = False
         self._launched: list[_Pending] = []  # in order, not yet waited for

@@ -42,26 +42,34 @@ class ModelMismatchError(ContractError):
     """
 
 
-def _summarize(module: nn.Module) -> list[_Entry]:
-    """What apply broadcasts and reduces, in order: parameters, then buffers."""
+def _summarize(module: nn.Module, ignored: frozenset[str]) -> list[_Entry]:
+    """What apply broadcasts and reduces, in order: parameters, then buffers (not ``ignored``)."""
     entries: list[_Entry] = [
         ("parameter", name, tuple(p.shape), str(p.dtype), p.requires_grad)
         for name, p in module.named_parameters()
+        if name not in ignored
     ]
     entries.extend(
-        ("buffer", name, tuple(b.shape), str(b.dtype), False) for name, b in module.named_buffers()
+        ("buffer", name, tuple(b.shape), str(b.dtype), False)
+        for name, b in module.named_buffers()
+        if name not in ignored
     )
     return entries
 
 
-def check_same_model(module: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:
+def check_same_model(
+    module: nn.Module,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    ignored: frozenset[str] = frozenset(),
+) -> None:
     """Raise ``ModelMismatchError`` on every rank of ``group`` unless all hold the same model.
 
     One all-gather of 32 bytes per rank when the models agree; a second, of the
     summaries, when they do not. A collective: every rank of ``group`` must call it,
     its tensors on ``device`` (the parameters', as DDP's check: NCCL takes no CPU tensor).
     """
-    entries = _summarize(module)
+    entries = _summarize(module, ignored)
     digest = hashlib.sha256(repr(entries).encode()).digest()
     mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
     every = torch.empty(_DIGEST_BYTES * group.size(), dtype=torch.uint8, device=device)

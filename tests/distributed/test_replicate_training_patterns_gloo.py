@@ -1,0 +1,188 @@
+"""Training patterns of real code under replicate, against DDP on 2 gloo ranks, exactly.
+
+- Two views through BatchNorm, then one loss (siamese and contrastive training): the
+  buffers broadcast before the second forward keep their version counters, as DDP's,
+  so the first forward's saved statistics stay valid for backward.
+- ``torch.compile`` of a model with buffers: the broadcasts before a forward run
+  eagerly, outside the compiled graph, as DDP's do.
+- ``fp16_compress_wrapper(powerSGD_hook)``: the wrapper replaces the bucket's buffer
+  with a half-precision one; the wrapped hook then reads the gradients of that buffer.
+- DDP's parameters and buffers to ignore
+  (``_set_params_and_buffers_to_ignore_for_model``): each rank keeps its own.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any, Final, cast
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from torchcontract.apis import replicate
+from torchcontract.testing import run_distributed
+
+Results = dict[str, Any]
+Wrap = Callable[[nn.Module], nn.Module]
+STEPS: Final = 3
+
+
+def _batch(rank: int, step: int, width: int = 4) -> Tensor:
+    return torch.randn(6, width, generator=torch.Generator().manual_seed(100 * rank + step))
+
+
+def _trained(
+    build: Callable[[], nn.Module],
+    wrap: Wrap,
+    step: Callable[[nn.Module, int], Tensor],
+) -> list[list[float]]:
+    """Every parameter and buffer after each of ``STEPS`` SGD steps, flattened."""
+    torch.manual_seed(0)
+    raw = build()
+    model = wrap(raw)
+    optimizer = torch.optim.SGD(raw.parameters(), lr=0.1)
+    seen = []
+    for index in range(STEPS):
+        torch.autograd.backward(step(model, index))
+        optimizer.step()
+        optimizer.zero_grad()
+        state = [*raw.parameters(), *raw.buffers()]
+        seen.append([float(x) for t in state for x in t.detach().reshape(-1).tolist()])
+    return seen
+
+
+def _both(
+    build: Callable[[], nn.Module],
+    ours: Wrap,
+    theirs: Wrap,
+    step: Callable[[nn.Module, int], Tensor],
+) -> bool:
+    """Whether replicate (``ours``) and DDP (``theirs``) leave the same numbers, exactly."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DDP's and torch's own deprecation warnings
+        return _trained(build, ours, step) == _trained(build, theirs, step)
+
+
+def _norm_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _two_views(rank: int) -> Callable[[nn.Module, int], Tensor]:
+    def step(model: nn.Module, index: int) -> Tensor:
+        x = _batch(rank, index)
+        first: Tensor = model(x + 0.1)
+        second: Tensor = model(x - 0.1)
+        return (first - second).pow(2).sum()
+
+    return step
+
+
+def _plain(rank: int) -> Callable[[nn.Module, int], Tensor]:
+    def step(model: nn.Module, index: int) -> Tensor:
+        out: Tensor = model(_batch(rank, index))
+        return out.pow(2).sum()
+
+    return step
+
+
+def _compiled(wrap: Wrap) -> Wrap:
+    def compiled(module: nn.Module) -> nn.Module:
+        return cast(nn.Module, torch.compile(wrap(module), backend="aot_eager"))
+
+    return compiled
+
+
+def _power_sgd(wrap: Wrap) -> Wrap:
+    def hooked(module: nn.Module) -> nn.Module:
+        model = wrap(module)
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=1,
+            start_powerSGD_iter=2,
+            min_compression_rate=0.5,
+            random_seed=0,
+        )
+        hook = default_hooks.fp16_compress_wrapper(powerSGD_hook.powerSGD_hook)
+        cast(Any, model).register_comm_hook(state, hook)
+        return model
+
+    return hooked
+
+
+class Counting(nn.Module):
+    """A layer, a buffer, and a layer whose weight DDP is told to ignore."""
+
+    count: Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+        self.local = nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.count += 1
+        out: Tensor = self.local(self.shared(x))
+        return out
+
+
+def _ignoring(rank: int) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        model = Counting()
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, ["local.weight", "count"]
+        )
+        if rank == 1:  # what each rank keeps of its own
+            with torch.no_grad():
+                model.local.weight.add_(1.0)
+                model.count.fill_(5)
+        return model
+
+    return build
+
+
+def _job(rank: int, world_size: int) -> Results:
+    ddp: Wrap = DistributedDataParallel
+    ours: Wrap = replicate
+    return {
+        "two_views": _both(_norm_net, ours, ddp, _two_views(rank)),
+        "compiled": _both(_norm_net, _compiled(ours), _compiled(ddp), _plain(rank)),
+        "fp16_power_sgd": _both(
+            lambda: nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 4)),
+            _power_sgd(ours),
+            _power_sgd(ddp),
+            _plain(rank),
+        ),
+        "ignored": _both(_ignoring(rank), ours, ddp, _plain(rank)),
+        "ignored_stays_local": _ignored_stays_local(rank),
+    }
+
+
+def _ignored_stays_local(rank: int) -> list[float]:
+    """The ignored weight's first value and the ignored buffer after training: each rank's own."""
+    torch.manual_seed(0)
+    model = _ignoring(rank)()
+    replicate(model)
+    torch.autograd.backward(cast(Tensor, model(_batch(rank, 0))).sum())
+    counting = cast(Counting, model)
+    return [float(counting.local.weight[0, 0]), float(counting.count)]
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[Results]:
+    return run_distributed(_job, 2, timeout=240.0)
+
+
+@pytest.mark.parametrize("pattern", ["two_views", "compiled", "fp16_power_sgd", "ignored"])
+def test_the_numbers_are_ddps(ranks: list[Results], pattern: str) -> None:
+    assert [rank[pattern] for rank in ranks] == [True, True]
+
+
+def test_what_ddp_is_told_to_ignore_stays_each_ranks_own(ranks: list[Results]) -> None:
+    first, second = (rank["ignored_stays_local"] for rank in ranks)
+    assert second[0] - first[0] == pytest.approx(1.0)
+    assert (first[1], second[1]) == (1.0, 6.0)
