@@ -50,6 +50,10 @@ def test_tree_without_apis_is_one_line_with_its_module_count() -> None:
     assert describe(Model()) == "Model  (23 modules below, no APIs)"
 
 
+def test_one_module_below_is_counted_in_the_singular() -> None:
+    assert describe(nn.Sequential(nn.Linear(2, 2))) == "Sequential  (1 module below, no APIs)"
+
+
 def test_apis_are_listed_in_application_order() -> None:
     layer = nn.Linear(2, 2)
     offload(layer)

@@ -91,6 +91,15 @@ def test_the_package_metadata_names_no_project_address() -> None:
     assert "urls" not in project
 
 
+def test_the_pages_state_the_dependency_floors_the_package_declares() -> None:
+    # typing-extensions >= 4.10: TypeIs, and TypeVar(default=...).
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert "typing-extensions>=4.10" in declared
+    for page in (README, DOCS / "getting-started.md"):
+        (sentence,) = re.findall(r"asks only for (.*?)\.\s", page.read_text())
+        assert re.findall(r"`([\w-]+>=[\d.]+)`", sentence) == declared, page.name
+
+
 #: Files commands write for the pages to include: figures there are generated.
 GENERATED = [
     ROOT / "benchmarks" / "results" / "RESULTS.md",
@@ -204,6 +213,7 @@ PUBLIC_MODULES = [
     torchcontract.testing,
     importlib.import_module("torchcontract.apis.fully_shard"),
     importlib.import_module("torchcontract.apis.replicate"),
+    importlib.import_module("torchcontract.demo"),
 ]
 
 

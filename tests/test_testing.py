@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.machinery
+import inspect
 import os
 import signal
+import sys
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from commands import run_command
 from torch import Tensor, nn
 
 from torchcontract import contract
@@ -229,6 +235,94 @@ def test_a_negative_grace_is_rejected() -> None:
         ValueError, match=r"run_distributed: grace must be at least 0 seconds, got -1"
     ):
         run_distributed(_who, 2, grace=-1.0)
+
+
+#: A script that runs two ranks; the call is placed by ``{call}``.
+_SCRIPT = """\
+from torchcontract.testing import run_distributed
+
+
+def ranks(rank: int, world_size: int) -> int:
+    return rank
+
+
+def main() -> None:
+    print("ranks", run_distributed(ranks, 2, timeout=60.0))
+
+
+{call}
+"""
+
+
+@pytest.mark.parametrize(
+    ("call", "line"),
+    [("print(run_distributed(ranks, 2))", 12), ("main()", 12)],
+    ids=["the call itself", "a function making it"],
+)
+def test_a_script_calling_without_the_main_guard_is_refused_before_any_rank_starts(
+    tmp_path: Path, call: str, line: int
+) -> None:
+    script = tmp_path / "unguarded.py"
+    script.write_text(_SCRIPT.format(call=call))
+    done = run_command((sys.executable, str(script)), timeout=120, cwd=tmp_path)
+    assert done.returncode == 1
+    assert (
+        "torchcontract.testing.UnguardedMainError: run_distributed: called from the top level "
+        f'of the script {script} (line {line}), outside `if __name__ == "__main__":`; '
+        "each rank ('forkserver' start) imports the script again and would call "
+        "run_distributed again. Put the call (or the call of the function that makes it) "
+        'under `if __name__ == "__main__":`'
+    ) in done.stderr
+    assert "bootstrapping phase" not in done.stderr  # no rank started
+    assert "ranks" not in done.stdout
+
+
+def test_a_script_calling_under_the_main_guard_runs_its_ranks(tmp_path: Path) -> None:
+    script = tmp_path / "guarded.py"
+    script.write_text(_SCRIPT.format(call='if __name__ == "__main__":\n    main()'))
+    done = run_command((sys.executable, str(script)), timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == "ranks [0, 1]\n"
+
+
+def test_the_main_guard_is_read_as_multiprocessing_reimports_the_main_module() -> None:
+    from torchcontract.testing import _main_guard
+
+    tree = ast.parse('x = 1\nif __name__ == "__main__":\n    x = 2\n    x = 3\nx = 4\n')
+    assert [_main_guard._guarded(tree, line) for line in range(1, 6)] == [
+        False,
+        False,
+        True,
+        True,
+        False,
+    ]
+    package_main = types.ModuleType("__main__")
+    package_main.__spec__ = importlib.machinery.ModuleSpec("tool.__main__", None, origin="m.py")
+    assert _main_guard._reimported_path(package_main) is None  # multiprocessing skips it
+    module_main = types.ModuleType("__main__")
+    module_main.__spec__ = importlib.machinery.ModuleSpec("tool.cli", None, origin="cli.py")
+    assert _main_guard._reimported_path(module_main) == "cli.py"
+    script = types.ModuleType("__main__")
+    script.__file__ = "/bin/train"
+    assert _main_guard._reimported_path(script) == "/bin/train"
+    assert _main_guard._reimported_path(types.ModuleType("__main__")) is None  # python -c
+
+
+def test_a_case_without_a_loss_sums_the_float_tensors_of_the_output() -> None:
+    from torchcontract.testing._compare import sum_of_outputs
+
+    def _first_output(output: Any) -> Tensor:
+        return torch.as_tensor(output[0])
+
+    assert ModelCase(Net, _inputs).loss is sum_of_outputs
+    assert ModelCase(Net, _inputs, None).loss is sum_of_outputs
+    assert ModelCase(Net, _inputs, _first_output).loss is _first_output
+
+
+def test_the_default_grace_is_the_one_the_collector_uses() -> None:
+    from torchcontract.testing._collect import GRACE_SECONDS
+
+    assert inspect.signature(run_distributed).parameters["grace"].default == GRACE_SECONDS
 
 
 def test_free_port_can_be_bound() -> None:

@@ -235,7 +235,7 @@ class Contract(Generic[_P, _R_co, _S]):
 
         Returns:
             The handle; ``handle.record(m)`` gives the record while it belongs to this
-            application.
+                application.
 
         Raises:
             NotAppliedError: The API is not applied to ``module``.
@@ -265,7 +265,7 @@ class Contract(Generic[_P, _R_co, _S]):
 
         Returns:
             The entry, whose ``api`` is this contract with its signature and record
-            class, and whose ``args``, ``kwargs`` and ``arguments`` are the call's.
+                class, and whose ``args``, ``kwargs`` and ``arguments`` are the call's.
 
         Raises:
             NotAppliedError: The API is not applied to exactly ``module``.

@@ -196,7 +196,7 @@ def contract(
 
     Returns:
         A decorator turning ``func`` into a ``Contract``, typed by ``func``'s shape
-        (``ModuleContract`` for a function returning None, and so on).
+            (``ModuleContract`` for a function returning None, and so on).
 
     Raises:
         InvalidStateClassError: ``state_cls`` is not a frozen attrs class whose fields

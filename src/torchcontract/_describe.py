@@ -73,7 +73,8 @@ class _Renderer:
             return [line]
         below = self._size[id(module)] - 1
         if not any(self._any_api[id(child)] for _, child in children):
-            return [f"{line}  ({below} modules below, no APIs)"]
+            modules = "module" if below == 1 else "modules"
+            return [f"{line}  ({below} {modules} below, no APIs)"]
         lines = [line]
         inner = indent + "  "
         self._path.add(id(module))

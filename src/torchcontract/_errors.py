@@ -36,7 +36,13 @@ __all__ = [
 
 
 class ContractError(RuntimeError):
-    """Base class of the errors raised when an API breaks its contract."""
+    """Base class of the errors raised at run time: an API breaking its contract, a rule refusing.
+
+    Raised itself where no subclass fits. Not the base of the errors of bad input,
+    which are ``TypeError``s or ``ValueError``s instead: ``UnknownTorchAPIError``,
+    ``InvalidStateClassError``, ``InvalidRecordError``, ``InvalidTargetError``,
+    ``InvalidResultError`` and ``InvalidShardDimError``.
+    """
 
 
 class AlreadyAppliedError(ContractError):

@@ -29,7 +29,7 @@ def module_label(module: nn.Module) -> str:
 
     Returns:
         One line, never the module's repr (which runs to thousands of lines on a
-        large model).
+            large model).
     """
     name = type(module).__qualname__
     for root in REGISTRY.modules():

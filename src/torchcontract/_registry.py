@@ -41,7 +41,7 @@ def registry(module: nn.Module) -> Mapping[AnyContract, RegistryEntry]:
 
     Returns:
         A read-only copy mapping each contract applied to ``module`` to its entry;
-        empty, never None, when nothing is applied.
+            empty, never None, when nothing is applied.
     """
     return MappingProxyType(dict(REGISTRY.row(module)))
 
@@ -57,8 +57,8 @@ def torch_registry(module: nn.Module) -> Mapping[str, object]:
 
     Returns:
         A read-only mapping from the name torch registers an API under
-        (``"fully_shard"``, ``"replicate"``, ``"checkpoint"``) to torch's entry; empty
-        when torch applied none.
+            (``"fully_shard"``, ``"replicate"``, ``"checkpoint"``) to torch's entry; empty
+            when torch applied none.
     """
     # Read __dict__ directly: a missing attribute costs nn.Module.__getattr__ a raise.
     found = module.__dict__.get(_torch_registry_key())

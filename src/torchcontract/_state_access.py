@@ -62,7 +62,7 @@ class Application(Generic[_S_co]):
 
         Returns:
             The record, while it belongs to this application; None on a copy of the
-            module, after a rollback, after the module died, and for a detached handle.
+                module, after a rollback, after the module died, and for a detached handle.
         """
         cell = self._cells.get(id(module))
         if cell is None or cell is not self._cell:

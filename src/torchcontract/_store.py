@@ -366,7 +366,7 @@ class StateStore:
 
         Returns:
             Each contract keeping a record of ``module`` in this store, mapped to that
-            record; empty when there is none.
+                record; empty when there is none.
         """
         # dict() copies the row in one step; iterating the live row in Python would
         # fail if another thread installed or removed a record meanwhile.

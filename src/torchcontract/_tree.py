@@ -29,7 +29,7 @@ def named_tree(root: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Modu
 
     Yields:
         ``(fqn, module)`` pairs, as ``named_modules(prefix=prefix, remove_duplicate=False)``
-        would on a tree without cycles.
+            would on a tree without cycles.
     """
     stack: list[tuple[str, nn.Module, int]] = [(prefix, root, 0)]
     path: list[int] = []  # ids of the modules from the root down to the current one

@@ -23,21 +23,24 @@ def no_sync(module: nn.Module) -> Generator[None]:
 
     Each API keeps the semantics of the PyTorch implementation it matches. For
     ``replicate``, as ``DistributedDataParallel.no_sync()``: forwards run inside
-    the block build graphs whose backward stays local. For ``fully_shard`` (on
-    ``module`` and every module inside it), as FSDP2's
+    the block build graphs whose backward stays local. For ``fully_shard`` (the
+    application on ``module`` and every one inside it), as FSDP2's
     ``set_requires_gradient_sync(False)``: backwards run inside the block keep
     unsharded gradients instead of reduce-scattering them. Restores the previous
     settings on exit, so blocks nest.
 
     Args:
-        module: A model under ``replicate``, or under ``fully_shard`` (applied to it
-            or to modules inside it).
+        module: The module ``replicate`` or ``fully_shard`` is applied to itself: the
+            root of what it synchronizes (with ``fully_shard``, the applications on
+            modules inside it follow it). For a model whose blocks alone are sharded,
+            apply ``fully_shard`` to the model as well, or enter ``no_sync(block)`` for each.
 
     Yields:
         Nothing; gradients of the backwards the block covers stay local.
 
     Raises:
-        NotAppliedError: Neither API is applied to ``module``.
+        NotAppliedError: Neither API is applied to ``module`` itself (one applied only
+            to modules inside it does not count).
     """
     if replicate.is_applied(module):
         with replicate_no_sync(module):

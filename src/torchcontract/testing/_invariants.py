@@ -49,8 +49,8 @@ class ModelCase(Generic[_M, _T_co]):
 
     ``make_model`` builds it (called twice, under the same seed, so it must be
     deterministic given torch's RNG); ``make_inputs`` gives the positional inputs
-    of one forward; ``loss`` reduces the output to a scalar (default: the sum of
-    its float tensors). ``target`` picks the module the API is applied to (default
+    of one forward; ``loss`` reduces the output to a scalar (by default, or given
+    None, the sum of its float tensors). ``target`` picks the module the API is applied to (default
     the model; with mypy, pass a function rather than a lambda: mypy infers a
     lambda's result before it knows the model type). ``same_numerics`` says the API
     must not change outputs or gradients (within ``tolerance``), nor which parameters
@@ -87,7 +87,7 @@ class ModelCase(Generic[_M, _T_co]):
         self: ModelCase[_T, _T],
         make_model: Callable[[], _T],
         make_inputs: Callable[[], tuple[Any, ...]],
-        loss: Callable[[Any], Tensor] = ...,
+        loss: Callable[[Any], Tensor] | None = ...,
         *,
         same_numerics: bool = ...,
         tolerance: float = ...,
@@ -99,7 +99,7 @@ class ModelCase(Generic[_M, _T_co]):
         self,
         make_model: Callable[[], _M],
         make_inputs: Callable[[], tuple[Any, ...]],
-        loss: Callable[[Any], Tensor] = ...,
+        loss: Callable[[Any], Tensor] | None = ...,
         *,
         target: Callable[[_M], _T_co],
         same_numerics: bool = ...,
@@ -111,7 +111,7 @@ class ModelCase(Generic[_M, _T_co]):
         self,
         make_model: Callable[[], nn.Module],
         make_inputs: Callable[[], tuple[Any, ...]],
-        loss: Callable[[Any], Tensor] = sum_of_outputs,
+        loss: Callable[[Any], Tensor] | None = None,
         *,
         target: Callable[[Any], nn.Module] | None = None,
         same_numerics: bool = True,
@@ -122,7 +122,7 @@ class ModelCase(Generic[_M, _T_co]):
         fields = {
             "make_model": make_model,
             "make_inputs": make_inputs,
-            "loss": loss,
+            "loss": sum_of_outputs if loss is None else loss,
             "target": _identity if target is None else target,
             "same_numerics": same_numerics,
             "tolerance": tolerance,

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from typing_extensions import TypeVar, TypeVarTuple
 
-from ._collect import DUMP_SIGNAL, GRACE_SECONDS, Failure, collect, name_of, stack_path
+from ._collect import DUMP_SIGNAL, Failure, collect, name_of, stack_path
+from ._main_guard import check_main_guard
 from ._torch import barrier
 
 __all__ = ["StartMethod", "free_port", "run_distributed"]
@@ -59,7 +60,7 @@ def free_port() -> int:
 
     Returns:
         The port number; another process may take it before it is used, so bind it
-        soon.
+            soon.
     """
     try:
         with open(_EPHEMERAL_RANGE, encoding="ascii") as ranges:
@@ -116,7 +117,7 @@ def run_distributed(
     args: tuple[object, ...] = (),
     start_method: StartMethod | None = None,
     threads_per_rank: int | None = None,
-    grace: float = GRACE_SECONDS,
+    grace: float = 1.0,  # _collect.GRACE_SECONDS, written out for the reference
 ) -> list[_R]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; return results by rank.
 
@@ -129,7 +130,10 @@ def run_distributed(
     ``start_method`` is ``"forkserver"`` where the platform has it (ranks fork from
     a server that imported torch once, with ``spawn``'s isolation, in milliseconds
     instead of seconds; they see the environment variables of when the server
-    started) and ``"spawn"`` otherwise.
+    started) and ``"spawn"`` otherwise. Either way each rank imports the script the
+    program started with again, so a script must call ``run_distributed`` under
+    ``if __name__ == "__main__":`` (a call that import would reach is refused with
+    ``UnguardedMainError``, before any rank starts).
     Each rank uses ``threads_per_rank`` intra-op threads (default: the CPUs
     shared evenly).
 
@@ -163,6 +167,9 @@ def run_distributed(
             message shows every hung rank's stack.
         ValueError: ``world_size`` is less than 1, or ``grace`` is negative.
         TypeError: ``fn`` or ``args`` do not pickle.
+        UnguardedMainError: Called from a script's top level outside
+            ``if __name__ == "__main__":``, where each rank's import of the script would
+            call it again.
     """
     if world_size < 1:
         raise ValueError(f"run_distributed: world_size must be at least 1, got {world_size}")
@@ -176,6 +183,7 @@ def run_distributed(
             f"({error}); pass a module-level function and picklable arguments"
         ) from error
     context = _context(start_method)
+    check_main_guard(context.get_start_method())
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     port = free_port()
     stacks = tempfile.mkdtemp(prefix="run_distributed_stacks_")

@@ -28,8 +28,26 @@ class _Comm(Protocol):
         ...
 
 
-class AllGatherComm(_Comm, Protocol):
-    """FSDP2's ``AllGather``: ``output`` gets every rank's ``input``, by rank."""
+class AllGatherComm(Protocol):
+    """What ``FullyShardModule.set_custom_all_gather`` takes: FSDP2's ``AllGather``'s shape.
+
+    A subclass of torch's ``AllGather`` (``torch.distributed.fsdp._fully_shard._fsdp_api``,
+    in the releases that have it) fits, as does any object with these two methods:
+    ``fully_shard`` calls them as FSDP2 does.
+    """
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """The buffer an all-gather writes: a tensor of ``size``, ``dtype`` and ``device``.
+
+        Args:
+            size: The buffer's shape (one dimension: the flat buffer's length).
+            dtype: The buffer's dtype.
+            device: The device to put the buffer on.
+
+        Returns:
+            A new tensor, or one the object keeps (a persistent buffer).
+        """
+        ...
 
     def __call__(
         self,
@@ -37,11 +55,35 @@ class AllGatherComm(_Comm, Protocol):
         input_tensor: Tensor,
         group: dist.ProcessGroup,
         async_op: bool = False,
-    ) -> dist.Work | None: ...
+    ) -> dist.Work | None:
+        """Gather every rank's ``input_tensor`` into ``output_tensor``, by rank.
+
+        Called with keyword arguments; ``async_op=True`` for a prefetch, whose returned
+        ``Work`` (if any) ``fully_shard`` waits on before the gathered parameters are used.
+        """
+        ...
 
 
-class ReduceScatterComm(_Comm, Protocol):
-    """FSDP2's ``ReduceScatter``: ``output`` gets this rank's slice of ``input`` reduced."""
+class ReduceScatterComm(Protocol):
+    """What ``FullyShardModule.set_custom_reduce_scatter`` takes: FSDP2's ``ReduceScatter``'s shape.
+
+    A subclass of torch's ``ReduceScatter`` (``torch.distributed.fsdp._fully_shard._fsdp_api``,
+    in the releases that have it) fits, as does any object with these two methods:
+    ``fully_shard`` calls them as FSDP2 does.
+    """
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A buffer a reduce-scatter reads or writes: a tensor of ``size``, ``dtype``, ``device``.
+
+        Args:
+            size: The buffer's shape (one dimension: the flat buffer's length).
+            dtype: The buffer's dtype.
+            device: The device to put the buffer on.
+
+        Returns:
+            A new tensor, or one the object keeps (a persistent buffer).
+        """
+        ...
 
     def __call__(
         self,
@@ -50,7 +92,13 @@ class ReduceScatterComm(_Comm, Protocol):
         group: dist.ProcessGroup,
         op: dist.ReduceOp | dist.ReduceOp.RedOpType,
         async_op: bool = False,
-    ) -> dist.Work | None: ...
+    ) -> dist.Work | None:
+        """Reduce ``input_tensor`` over the ranks with ``op`` into this rank's ``output_tensor``.
+
+        Called with keyword arguments, with FSDP2's op: ``AVG``, or ``SUM`` with the
+        gradient divide factor applied before.
+        """
+        ...
 
 
 def allocate(comm: _Comm | None, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -64,7 +64,17 @@ __all__ = [
 
 
 class UnsupportedTorchStateError(ContractError, AttributeError):
-    """torch's code read a part of FSDP2's state that ``fully_shard`` has no counterpart for."""
+    """Code read a part of FSDP2's internal state that ``fully_shard`` has no counterpart for.
+
+    Where torch looks up FSDP2's per-module state (``FSDPState``: ``fully_shard.state(module)``,
+    ``module._get_fsdp_state()``), a module sharded by this ``fully_shard`` carries a stand-in
+    that serves what torch's own code reads (``FSDPModule``'s methods, the pipeline schedules'
+    end-of-step reduction, ``register_fsdp_forward_method``, ``share_comm_ctx``); any other
+    attribute raises this, naming it. An ``AttributeError`` too, so ``getattr`` with a
+    default and ``hasattr`` answer as for a missing attribute. Tools that walk FSDP2's
+    internals (its ``FSDPParam`` objects, streams, buffers; FSDP2's memory tracker) need
+    torch's own ``fully_shard``.
+    """
 
 
 def _unsupported(owner: object, name: str) -> NoReturn:
