@@ -9,6 +9,14 @@
   with a half-precision one; the wrapped hook then reads the gradients of that buffer.
 - DDP's parameters and buffers to ignore
   (``_set_params_and_buffers_to_ignore_for_model``): each rank keeps its own.
+- Which backward synchronizes, as DDP's: the first after a synchronizing forward that
+  reaches its outputs or accumulates a gradient. So an output of a type no search finds
+  (an object of the user's class) is averaged; a parameter used in the loss outside the
+  forward (CLIP's ``logit_scale``) is averaged, its gradient arriving before the
+  outputs'; a penalty's backward through the parameters alone, run first, is the one
+  averaged and the outputs' after it stays local; and a forward with grad enabled
+  without its backward (an evaluation) leaves the next backward, even inside
+  ``no_sync``, synchronizing.
 """
 
 from __future__ import annotations
@@ -27,6 +35,11 @@ from torchcontract.apis import replicate
 from torchcontract.testing import run_distributed
 
 Results = dict[str, Any]
+#: DDP's way to name the parameters and buffers it leaves alone (untyped in torch).
+_ignore_for_model: Final = cast(
+    Callable[[nn.Module, list[str]], None],
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model,
+)
 Wrap = Callable[[nn.Module], nn.Module]
 STEPS: Final = 3
 
@@ -133,9 +146,7 @@ class Counting(nn.Module):
 def _ignoring(rank: int) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         model = Counting()
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            model, ["local.weight", "count"]
-        )
+        _ignore_for_model(model, ["local.weight", "count"])
         if rank == 1:  # what each rank keeps of its own
             with torch.no_grad():
                 model.local.weight.add_(1.0)
@@ -143,6 +154,83 @@ def _ignoring(rank: int) -> Callable[[], nn.Module]:
         return model
 
     return build
+
+
+class Boxed:
+    """An output of the user's own class: no search for tensors looks inside it."""
+
+    def __init__(self, value: Tensor) -> None:
+        self.value = value
+
+
+class Boxing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, x: Tensor) -> Boxed:
+        return Boxed(self.layers(x))
+
+
+def _boxed(rank: int) -> Callable[[nn.Module, int], Tensor]:
+    def step(model: nn.Module, index: int) -> Tensor:
+        return cast(Boxed, model(_batch(rank, index))).value.pow(2).sum()
+
+    return step
+
+
+class Clip(nn.Module):
+    """Two towers; the loss scales their similarities by ``logit_scale``, outside forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image = nn.Linear(4, 4)
+        self.text = nn.Linear(4, 4)
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, images: Tensor, texts: Tensor) -> tuple[Tensor, Tensor]:
+        return (
+            nn.functional.normalize(self.image(images), dim=-1),
+            nn.functional.normalize(self.text(texts), dim=-1),
+        )
+
+
+def _contrastive(rank: int) -> Callable[[nn.Module, int], Tensor]:
+    def step(model: nn.Module, index: int) -> Tensor:
+        images, texts = model(_batch(rank, index), _batch(rank, index + 50))
+        scale = cast(Clip, cast(Any, model).module if hasattr(model, "module") else model)
+        logits = scale.logit_scale.exp() * images @ texts.T
+        return nn.functional.cross_entropy(logits, torch.arange(6))
+
+    return step
+
+
+def _penalty_first(rank: int) -> Callable[[nn.Module, int], Tensor]:
+    """A weight penalty's backward first (averaged, as DDP's), then the outputs' (local)."""
+
+    def step(model: nn.Module, index: int) -> Tensor:
+        out = cast(Tensor, model(_batch(rank, index)))
+        penalty = sum(p.pow(2).sum() for p in model.parameters())
+        torch.autograd.backward(cast(Tensor, penalty) * 0.01)
+        return out.pow(2).sum()
+
+    return step
+
+
+def _evaluated_then_accumulated(rank: int) -> Callable[[nn.Module, int], Tensor]:
+    """An evaluation forward with grad enabled, then a no_sync micro-batch, then a step."""
+
+    def step(model: nn.Module, index: int) -> Tensor:
+        model(_batch(rank, index + 20))  # no backward
+        with cast(Any, model).no_sync():
+            torch.autograd.backward(cast(Tensor, model(_batch(rank, index + 40))).pow(2).sum())
+        return cast(Tensor, model(_batch(rank, index))).pow(2).sum()
+
+    return step
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
 def _job(rank: int, world_size: int) -> Results:
@@ -158,6 +246,10 @@ def _job(rank: int, world_size: int) -> Results:
             _plain(rank),
         ),
         "ignored": _both(_ignoring(rank), ours, ddp, _plain(rank)),
+        "boxed_output": _both(Boxing, ours, ddp, _boxed(rank)),
+        "outside_forward": _both(Clip, ours, ddp, _contrastive(rank)),
+        "penalty_first": _both(_mlp, ours, ddp, _penalty_first(rank)),
+        "evaluated_then_accumulated": _both(_mlp, ours, ddp, _evaluated_then_accumulated(rank)),
         "ignored_stays_local": _ignored_stays_local(rank),
     }
 
@@ -177,7 +269,19 @@ def ranks() -> list[Results]:
     return run_distributed(_job, 2, timeout=240.0)
 
 
-@pytest.mark.parametrize("pattern", ["two_views", "compiled", "fp16_power_sgd", "ignored"])
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "two_views",
+        "compiled",
+        "fp16_power_sgd",
+        "ignored",
+        "boxed_output",
+        "outside_forward",
+        "penalty_first",
+        "evaluated_then_accumulated",
+    ],
+)
 def test_the_numbers_are_ddps(ranks: list[Results], pattern: str) -> None:
     assert [rank[pattern] for rank in ranks] == [True, True]
 

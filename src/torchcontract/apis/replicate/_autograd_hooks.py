@@ -15,7 +15,7 @@ __all__ = ["Armed", "ParameterHook"]
 
 
 class _Begins(Protocol):
-    def begin(self) -> None: ...
+    def begin(self, forward: int | None = None) -> None: ...
 
 
 class _Readies(Protocol):
@@ -23,18 +23,20 @@ class _Readies(Protocol):
 
 
 class Armed:
-    """Hook on the outputs of one synchronizing forward: the first backward through them syncs."""
+    """Hook on the outputs of one synchronizing forward (its number ``forward``): the first
+    backward through them syncs, unless one already did for that forward."""
 
-    __slots__ = ("_reducer", "_used")
+    __slots__ = ("_forward", "_reducer", "_used")
 
-    def __init__(self, reducer: _Begins) -> None:
+    def __init__(self, reducer: _Begins, forward: int) -> None:
         self._reducer = reducer
+        self._forward = forward
         self._used = False
 
     def __call__(self, grad: Tensor) -> None:
         if not self._used:
             self._used = True
-            self._reducer.begin()
+            self._reducer.begin(self._forward)
 
 
 class ParameterHook:

@@ -112,20 +112,27 @@ def after_forward(reducer: Reducer, module: nn.Module, output: object) -> None:
     broadcast before the next forward.
     """
     record = reducer.record(module)
-    if record is None or record.rank_local:
+    if record is None:
+        return
+    if record.rank_local:
+        reducer.forget_expected_backward()  # its backward must send nothing
         return
     synchronizing = torch.is_grad_enabled() and record.sync_gradients
+    forward = reducer.expect_backward(synchronizing)
     reducer.sync_buffers_next_forward = synchronizing
-    tensors = (
-        [tensor for tensor in find_tensors(output) if tensor.requires_grad] if synchronizing else []
-    )
+    found = find_tensors(output) if synchronizing else []
+    tensors = [tensor for tensor in found if tensor.requires_grad]
     if reducer.join_config.enable:
         # Tell the joined ranks whether buffers are broadcast before the next
-        # forward, and whether a synchronizing backward follows (see _join).
-        flags = [float(synchronizing), float(bool(tensors))]
+        # forward, and whether a synchronizing backward follows (see _join): one is
+        # expected unless the output's tensors were found and none needs a gradient.
+        follows = synchronizing and (bool(tensors) or not found)
+        if not follows:
+            reducer.forget_expected_backward()  # the joined ranks will not meet one
+        flags = [float(synchronizing), float(follows)]
         on_device = _torch.host_values_on(flags, torch.float32, reducer.device)
         _torch.all_reduce(on_device, reducer.group).wait()
     if tensors:
-        armed = Armed(reducer)
+        armed = Armed(reducer, forward)
         for tensor in tensors:
             _torch.register_tensor_hook(tensor, armed)

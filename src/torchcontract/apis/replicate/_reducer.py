@@ -2,13 +2,13 @@
 
 Semantics are those of ``DistributedDataParallel``, keyword for keyword:
 
-* Whether a backward synchronizes is decided by the forward that built its
-  graph: a forward of the replicated module with grad enabled and
-  ``sync_gradients`` on (outside ``rank_local``) arms the tensors of its output
-  that require grad, wherever DDP would find them, and the first backward that
-  reaches one of them synchronizes, once. Any other backward (inside ``no_sync``, a
-  second one through a retained graph, one that never went through the module's
-  forward) only accumulates locally and issues no collective, so it cannot hang.
+* Which backward synchronizes is DDP's: after a forward of the replicated module
+  with grad enabled and ``sync_gradients`` on, the first backward that reaches the
+  tensors of its output that require grad (armed, found wherever DDP finds them) or
+  accumulates a parameter's gradient (``ready``), once. Any other backward (after
+  that one until the next such forward, or of a ``rank_local`` forward) only
+  accumulates locally and issues no collective, so it cannot hang. A ``no_sync``
+  forward leaves an earlier forward's backward expected, as DDP's does.
 * With ``find_unused_parameters`` (or ``static_graph``), a parameter counts as
   used if its gradient was accumulated in any backward since the last
   synchronization (``no_sync`` steps included). At the end of a synchronizing
@@ -192,6 +192,11 @@ class Reducer:
         # later forward with grad enabled raises, as DDP's.
         self.unfinished: ContractError | None = None
         self._task = -1  # the autograd graph task that synchronizes, or -1
+        # The last synchronizing forward, by number, while no backward synchronized for it
+        # (None once one began): as DDP's expect_autograd_hooks_, the next backward that
+        # reaches its outputs or accumulates a gradient synchronizes.
+        self._forwards = 0
+        self._expecting: int | None = None
         # DDP's require_forward_param_sync: buffers are broadcast before a forward
         # that follows a synchronizing one (and before the first).
         self.sync_buffers_next_forward = True
@@ -328,8 +333,28 @@ class Reducer:
             and not self._delays_reduction
         )
 
-    def begin(self) -> None:
-        """Synchronize the backward now running (called from an armed output's hook)."""
+    def expect_backward(self, synchronizing: bool) -> int:
+        """A forward ended: its number, which an armed output of it passes to ``begin``.
+
+        A synchronizing one's backward is expected from now on; any other forward
+        leaves an earlier one's expected, as DDP's ``no_sync`` forward does.
+        """
+        self._forwards += 1
+        if synchronizing:
+            self._expecting = self._forwards
+        return self._forwards
+
+    def forget_expected_backward(self) -> None:
+        """A rank-local forward: no backward synchronizes until the next synchronizing one."""
+        self._expecting = None
+
+    def begin(self, forward: int | None = None) -> None:
+        """Synchronize the backward now running, if one is expected.
+
+        Called from an armed output's hook, with the number of the forward that armed
+        it, or from ``ready`` (None) when a gradient accumulates first (a parameter used
+        outside the forward, or an output no tensor of which was found).
+        """
         task = _torch.current_graph_task_id()
         if self._task == task:
             return  # another armed output of the same backward
@@ -338,6 +363,9 @@ class Reducer:
             # midway, or else start afresh, once the collectives it launched have ended.
             self.check_finished()
             self._reset_backward()
+        if self._expecting is None or forward not in (None, self._expecting):
+            return  # a later forward's, or its backward already synchronized: local
+        self._expecting = None
         self._task = task
         _torch.queue_callback(self._finish)
         if self._settled is not None:
@@ -347,7 +375,12 @@ class Reducer:
         """A parameter's gradient was accumulated: mark it used; launch what is complete."""
         self._used[index] = True
         if self._task == -1:
-            return  # a local backward: averaged with the next synchronizing one
+            if self._expecting is None:
+                return  # a local backward: averaged with the next synchronizing one
+            # DDP's: the first backward after a synchronizing forward that accumulates.
+            self.begin()
+            if self._task == -1:
+                return
         self._hooks[index] += 1
         if self._hooks[index] == 1 and self._arrival is not None:
             self._arrival.append(index)
