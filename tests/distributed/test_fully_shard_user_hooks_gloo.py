@@ -124,8 +124,8 @@ class Adapted(nn.Module):
         self.inner = nn.Linear(8, 8)
 
     def forward(self, x: Tensor) -> Tensor:
-        out = self.inner(self.norm(x))
-        bias = getattr(self.inner, "adapter", None)
+        out: Tensor = self.inner(self.norm(x))
+        bias: Tensor | None = getattr(self.inner, "adapter", None)
         return out if bias is None else out + bias
 
 
@@ -135,21 +135,23 @@ def _nested_applications_unmanaged_parameters(rank: int, mesh: DeviceMesh) -> Re
     grads = []
     for name, apply in APPLIES.items():
         torch.manual_seed(0)
-        model = nn.Sequential(Adapted(), nn.Linear(8, 4))
-        block = model[0]
+        block = Adapted()
+        model = nn.Sequential(block, nn.Linear(8, 4))
         apply(block, mesh=mesh, ignored_params={block.norm.weight})
-        block.inner.adapter = nn.Parameter(torch.zeros(8))
+        adapter = nn.Parameter(torch.zeros(8))
+        block.inner.register_parameter("adapter", adapter)
         apply(model, mesh=mesh)
         x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))
         for _ in range(STEPS):
             torch.autograd.backward(model(x).pow(2).sum())
         found[name] = [
-            isinstance(parameter, DTensor) for parameter in (block.norm.weight, block.inner.adapter)
+            isinstance(parameter, DTensor)
+            for parameter in (block.norm.weight, block.inner.get_parameter("adapter"))
         ]
         grads.append(full_gradients(model))
     found["gap"] = largest_gap(*grads)
-    adapter = grads[0]["0.inner.adapter"]
-    found["own"] = adapter.tolist()  # this rank's own gradient: the ranks' must differ
+    # This rank's own gradient of the adapter: the ranks' must differ.
+    found["own"] = grads[0]["0.inner.adapter"].tolist()
     return found
 
 

@@ -11,6 +11,7 @@ rank keeps its own.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 from torch import Tensor, nn
 
@@ -31,7 +32,8 @@ def ignored_names(module: nn.Module) -> frozenset[str]:
             f"parameter and buffer FQNs, got {type(names).__qualname__}; set it with "
             "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model"
         )
-    return frozenset(str(name) for name in names)
+    values = cast("Iterable[object]", names)
+    return frozenset(str(name) for name in values)
 
 
 def kept_parameters(module: nn.Module, ignored: frozenset[str]) -> list[tuple[str, nn.Parameter]]:
