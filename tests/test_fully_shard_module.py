@@ -8,13 +8,16 @@ methods, copies, refusals). The numbers, against FSDP2 on 2 gloo ranks, are in
 from __future__ import annotations
 
 import copy
+import gc
 import pickle
 import re
-from collections.abc import Callable, Iterator
-from typing import Any
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
 
 import pytest
 import torch
+import torch.distributed as dist
 from fake_world import fake_mesh
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -165,11 +168,79 @@ def test_reduce_scatter_max_input_buffers_is_checked_as_fsdp2(
             reference.set_reduce_scatter_max_input_buffers(value)  # type: ignore[arg-type]
 
 
-def test_an_all_reduce_hook_on_a_stream_is_recorded_without_hsdp(mesh: DeviceMesh) -> None:
-    model, stream = sharded(mesh), torch.cpu.Stream()
-    fsdp(model).set_all_reduce_hook(print, stream=stream)  # type: ignore[arg-type]
-    assert fully_shard.state(model).all_reduce_hook is print
-    assert fully_shard.state(model).all_reduce_hook_stream is stream
+class _Owning:
+    """A custom collective that keeps the model it serves, as FSDP2 lets one."""
+
+    def __init__(self, owner: nn.Module, calls: list[str]) -> None:
+        self.owner = owner
+        self.calls = calls
+
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class OwnedGather(_Owning):
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        self.calls.append("gather")
+        work = dist.all_gather_into_tensor(
+            output_tensor, input_tensor, group=group, async_op=async_op
+        )
+        return cast("dist.Work | None", work)
+
+
+class OwnedScatter(_Owning):
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        self.calls.append("scatter")
+        work = dist.reduce_scatter_tensor(
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        )
+        return cast("dist.Work | None", work)
+
+
+def _noting(module: nn.Module, calls: list[str]) -> Callable[[torch.Tensor], None]:
+    """A hook whose closure holds ``module``."""
+    return lambda output: calls.append(type(module).__name__)
+
+
+def test_hooks_and_collectives_that_reach_the_module_are_taken_and_freed_with_it(
+    mesh: DeviceMesh,
+) -> None:
+    """A bound method, a closure and custom collectives holding the model, as FSDP2 takes
+    them: used, and gone with the model (the store's records never hold them)."""
+    calls: list[str] = []
+    model = sharded(mesh)
+    fsdp(model).set_all_reduce_hook(_noting(model, calls))
+    fsdp(model.first).set_all_reduce_hook(model.first.zero_grad)  # type: ignore[arg-type]
+    fsdp(model).set_custom_all_gather(OwnedGather(model, calls))
+    fsdp(model).set_custom_reduce_scatter(OwnedScatter(model, calls))
+    torch.autograd.backward(model(torch.randn(3, 4)).sum())
+    assert sorted(set(calls)) == ["FSDPNet", "gather", "scatter"]
+    freed = weakref.ref(model)
+    del model
+    gc.collect()
+    assert freed() is None
+
+
+def test_an_all_reduce_hook_on_a_stream_runs_without_hsdp(mesh: DeviceMesh) -> None:
+    model, seen = sharded(mesh), list[torch.Tensor]()
+    fsdp(model).set_all_reduce_hook(seen.append, stream=torch.cpu.Stream())  # type: ignore[arg-type]
+    torch.autograd.backward(model(torch.randn(3, 4)).sum())
+    assert len(seen) == 1
 
 
 def test_an_all_reduce_hook_on_a_stream_is_refused_under_hsdp(mesh: DeviceMesh) -> None:

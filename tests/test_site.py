@@ -197,8 +197,8 @@ def test_every_name_of_ours_a_signature_shows_has_an_entry(site: Path) -> None:
     # An exception that no longer applies is dropped from the list.
     assert {path for paths in unlinked.values() for path in paths} >= UNDOCUMENTED_IN_SIGNATURES
     reference = _text_of(site / "reference" / "apis.html")
-    assert "all_gather_comm: AllGatherComm | None = None" in reference
-    assert "reduce_scatter_comm: ReduceScatterComm | None = None" in reference
+    assert "set_custom_all_gather(comm: AllGatherComm)" in reference
+    assert "set_custom_reduce_scatter(comm: ReduceScatterComm)" in reference
 
 
 def test_each_returns_or_yields_section_renders_as_one_item(site: Path) -> None:

@@ -40,6 +40,7 @@ from torchcontract import UnmaterializedParameterError, module_label
 
 from .. import _torch
 from ._collectives import PendingGather, reduce_scatter, start_all_gather
+from ._comms import AllGatherComm, ReduceScatterComm
 from ._extended_gather import detect, start_extended_gather
 from ._sharding import ManagedParameter
 from ._state import FullyShardState
@@ -205,6 +206,14 @@ class ParamGroup:
         # the user's post-optimizer event for the next forward's copy-in.
         self.reduce_events: list[torch.Event] = []
         self.post_optim_event: torch.Event | None = None
+        # What the user hands the setters: on the group, which the module's hooks hold,
+        # not in the record. A hook that reaches the module (a bound method, a closure),
+        # as FSDP2 takes, would keep a record's module alive for ever; here it is one
+        # more reference cycle through the module, which the collector frees.
+        self.all_reduce_hook: Callable[[Tensor], None] | None = None
+        self.all_reduce_hook_stream: object | None = None
+        self.all_gather_comm: AllGatherComm | None = None
+        self.reduce_scatter_comm: ReduceScatterComm | None = None
         # A list's application: ids of its modules yet to run forward in this pass (FSDP2's
         # ``_modules_to_run_forward``); its post-forward waits for the last of them.
         self.to_run_forward: set[int] = set()
@@ -331,7 +340,7 @@ class ParamGroup:
         ``unshard()`` runs on the caller's stream.
         """
         record = self.record() or FullyShardState()
-        comm = record.all_gather_comm
+        comm = self.all_gather_comm
         if self.post_forward and self.post_forward_group is not None:
             self.post_forward = False
             group, post_forward = self.post_forward_group, True
@@ -511,13 +520,13 @@ class ParamGroup:
                 self.process_group,
                 self.reduce_dtype,
                 self.replicate_group,
-                hook=record.all_reduce_hook,
-                hook_stream=record.all_reduce_hook_stream,
+                hook=self.all_reduce_hook,
+                hook_stream=self.all_reduce_hook_stream,
                 all_reduce=record.requires_all_reduce,
                 deferred=self.deferred,
                 divide_factor=record.gradient_divide_factor,
                 force_sum=record.force_sum_reduction,
-                comm=record.reduce_scatter_comm,
+                comm=self.reduce_scatter_comm,
                 streams=self.streams,
             )
             self.reduced = True

@@ -237,13 +237,8 @@ class FullyShardModule(FSDPModule):
                 "mesh (HSDP), whose hook runs after the all-reduce (FSDP2: stream cannot be set "
                 "when using native HSDP); leave stream=None"
             )
-        _update(
-            self,
-            False,
-            lambda record: attrs.evolve(
-                record, all_reduce_hook=hook, all_reduce_hook_stream=stream
-            ),
-        )
+        group = _group(self)
+        group.all_reduce_hook, group.all_reduce_hook_stream = hook, stream
 
     # ----------------------------------------------------------------- accelerator only
 
@@ -272,7 +267,7 @@ class FullyShardModule(FSDPModule):
         async_op=...)`` runs it, returning its ``Work`` when ``async_op`` (a
         prefetch). This module's application only, as FSDP2's.
         """
-        _update(self, False, lambda record: attrs.evolve(record, all_gather_comm=comm))
+        _group(self).all_gather_comm = comm
 
     def set_custom_reduce_scatter(self, comm: ReduceScatterComm) -> None:
         """Run this module's gradient reduce-scatters through ``comm`` (FSDP2's ``ReduceScatter``).
@@ -282,7 +277,7 @@ class FullyShardModule(FSDPModule):
         ``SUM`` with the gradient divide factor applied before). This module's
         application only, as FSDP2's.
         """
-        _update(self, False, lambda record: attrs.evolve(record, reduce_scatter_comm=comm))
+        _group(self).reduce_scatter_comm = comm
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> NoReturn:
         """Refused: staging buffers from the process group's allocator (NCCL zero-copy)."""

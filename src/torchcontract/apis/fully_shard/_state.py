@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import attrs
-from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
-
-from ._comms import AllGatherComm, ReduceScatterComm
 
 __all__ = ["FullyShardState"]
 
@@ -37,7 +32,9 @@ class FullyShardState:
     passes whose gradients this application reduce-scattered. ``sync_gradients``:
     False while gradients only accumulate locally (``no_sync``,
     ``set_requires_gradient_sync(False)``). The other fields are what the
-    ``FSDPModule`` setters of the same names set, with FSDP2's defaults.
+    ``FSDPModule`` setters of the same names set, with FSDP2's defaults. What the
+    setters take from the user (an all-reduce hook, custom collectives) is not kept
+    here: a record must not hold its module, and FSDP2 takes hooks that do.
     """
 
     mesh: DeviceMesh | None = attrs.field(default=None, repr=_mesh_repr)
@@ -57,7 +54,3 @@ class FullyShardState:
     reduce_scatter_unused_params: bool = False
     reduce_scatter_max_input_buffers: int = 1
     is_last_backward: bool = True
-    all_reduce_hook: Callable[[Tensor], None] | None = None
-    all_reduce_hook_stream: object | None = None  # FSDP2's: a CUDA stream (any device's here)
-    all_gather_comm: AllGatherComm | None = None
-    reduce_scatter_comm: ReduceScatterComm | None = None
