@@ -17,6 +17,12 @@
   averaged and the outputs' after it stays local; and a forward with grad enabled
   without its backward (an evaluation) leaves the next backward, even inside
   ``no_sync``, synchronizing.
+- A post-accumulate-grad hook registered after ``replicate`` that edits ``.grad`` in
+  place (clipping): it runs before the gradient is copied for averaging, as DDP's
+  reducer runs after every such hook.
+- Optimizers applied in backward (torch's ``_apply_optimizer_in_backward``): they step
+  on the averaged gradients, as DDP steps them (on an accelerator: DDP refuses on the
+  CPU), so the replicas stay equal; ``.grad`` is None after.
 """
 
 from __future__ import annotations
@@ -27,14 +33,20 @@ from typing import Any, Final, cast
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.optim.apply_optimizer_in_backward import _apply_optimizer_in_backward
 from torch.nn.parallel import DistributedDataParallel
 
-from torchcontract.apis import replicate
+from torchcontract.apis import _torch, replicate
 from torchcontract.testing import run_distributed
 
 Results = dict[str, Any]
+apply_in_backward: Final = cast(
+    Callable[[type[torch.optim.Optimizer], Any, dict[str, Any]], None],
+    _apply_optimizer_in_backward,
+)
 #: DDP's way to name the parameters and buffers it leaves alone (untyped in torch).
 _ignore_for_model: Final = cast(
     Callable[[nn.Module, list[str]], None],
@@ -229,6 +241,44 @@ def _evaluated_then_accumulated(rank: int) -> Callable[[nn.Module, int], Tensor]
     return step
 
 
+def _clip_in_place(parameter: Tensor) -> None:
+    assert parameter.grad is not None
+    parameter.grad.mul_(2.0).clamp_(-0.3, 0.3)
+
+
+def _clipping_after(wrap: Wrap) -> Wrap:
+    def wrapped(module: nn.Module) -> nn.Module:
+        model = wrap(module)
+        for parameter in module.parameters():
+            _torch.register_post_accumulate_grad_hook(parameter, _clip_in_place)
+        return model
+
+    return wrapped
+
+
+def _stepping_in_backward(rank: int) -> tuple[bool, bool]:
+    """SGD applied in backward under replicate, against SGD on gradients averaged by hand:
+    whether the parameters agree exactly, and whether every ``.grad`` is None after."""
+    torch.manual_seed(0)
+    model = _mlp()
+    apply_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
+    replicate(model)
+    torch.manual_seed(0)
+    reference = _mlp()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for index in range(STEPS):
+        torch.autograd.backward(cast(Tensor, model(_batch(rank, index))).pow(2).sum())
+        torch.autograd.backward(cast(Tensor, reference(_batch(rank, index))).pow(2).sum())
+        for parameter in reference.parameters():
+            assert parameter.grad is not None
+            dist.all_reduce(parameter.grad)
+            parameter.grad.div_(2)
+        optimizer.step()
+        optimizer.zero_grad()
+    same = all(map(torch.equal, model.parameters(), reference.parameters()))
+    return same, all(parameter.grad is None for parameter in model.parameters())
+
+
 def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
 
@@ -250,6 +300,8 @@ def _job(rank: int, world_size: int) -> Results:
         "outside_forward": _both(Clip, ours, ddp, _contrastive(rank)),
         "penalty_first": _both(_mlp, ours, ddp, _penalty_first(rank)),
         "evaluated_then_accumulated": _both(_mlp, ours, ddp, _evaluated_then_accumulated(rank)),
+        "clipping_after": _both(_mlp, _clipping_after(ours), _clipping_after(ddp), _plain(rank)),
+        "in_backward": _stepping_in_backward(rank),
         "ignored_stays_local": _ignored_stays_local(rank),
     }
 
@@ -280,10 +332,17 @@ def ranks() -> list[Results]:
         "outside_forward",
         "penalty_first",
         "evaluated_then_accumulated",
+        "clipping_after",
     ],
 )
 def test_the_numbers_are_ddps(ranks: list[Results], pattern: str) -> None:
     assert [rank[pattern] for rank in ranks] == [True, True]
+
+
+def test_optimizers_applied_in_backward_step_on_the_averaged_gradients(
+    ranks: list[Results],
+) -> None:
+    assert [rank["in_backward"] for rank in ranks] == [(True, True), (True, True)]
 
 
 def test_what_ddp_is_told_to_ignore_stays_each_ranks_own(ranks: list[Results]) -> None:

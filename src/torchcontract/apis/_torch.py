@@ -58,6 +58,7 @@ __all__ = [
     "queue_callback",
     "reduce_scatter_average",
     "reduce_scatter_sum",
+    "register_accumulator_hook",
     "register_load_state_dict_post_hook",
     "register_load_state_dict_pre_hook",
     "register_post_accumulate_grad_hook",
@@ -329,6 +330,22 @@ _queue_callback: Final = cast(
 def queue_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the backward pass running in this thread ends."""
     _queue_callback(callback)
+
+
+def register_accumulator_hook(
+    parameter: Tensor, hook: Callable[..., None]
+) -> tuple[object, RemovableHandle]:
+    """Call ``hook`` once ``parameter``'s gradient accumulator ran, as DDP's reducer hooks it.
+
+    A post-hook of the accumulator node: it runs after the gradient was accumulated and
+    after every post-accumulate-grad hook of the tensor, whenever they were registered.
+    Returns the node, which the caller keeps (a hook on a node nobody holds is lost with
+    it), and the hook's handle.
+    """
+    with torch.enable_grad():
+        grad_fn = cast(Any, parameter.view_as(parameter).grad_fn)
+    node = grad_fn.next_functions[0][0]
+    return node, cast(RemovableHandle, node.register_hook(hook))
 
 
 def register_post_accumulate_grad_hook(

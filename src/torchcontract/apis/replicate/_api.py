@@ -36,6 +36,7 @@ from ._buckets import broadcast_from_first_rank
 from ._devices import InvalidKeywordError, MoveInputs, devices
 from ._forward import after_forward, before_forward
 from ._ignored import ignored_names, kept_buffers, kept_parameters
+from ._in_backward import TakenOver
 from ._keywords import (
     buffer_sync,
     refuse_unsupported,
@@ -473,7 +474,9 @@ def replicate(
         update=replicate.update,
     )
     for index, (_, parameter) in enumerate(named):
-        _torch.register_post_accumulate_grad_hook(parameter, ParameterHook(reducer, index))
+        reducer.accumulators.append(
+            _torch.register_accumulator_hook(parameter, ParameterHook(reducer, index))
+        )
     hooks = _ForwardHooks(reducer)
     # Before the module's own pre-hooks, as DDP's forward runs before its module's: first
     # what DDP's _pre_forward does, then the inputs moved (each prepended, so in reverse).
@@ -484,6 +487,10 @@ def replicate(
     module.register_forward_pre_hook(hooks.before, prepend=True)
     module.register_forward_hook(hooks.after)
     on_rollback(_Undo(module, reducer))
+    taken = TakenOver([parameter for _, parameter in named])  # DDP's: stepped after averaging
+    reducer.in_backward = taken.positions
+    if taken.positions:
+        on_rollback(taken)
     module.__class__ = replicate_class(type(module))
     replicate.update(
         module,

@@ -2,11 +2,14 @@
 on each parameter once its gradient was accumulated.
 
 Each holds its reducer and tells it one thing: a backward that synchronizes began
-(``Armed``), or a parameter's gradient is ready (``ParameterHook``).
+(``Armed``), or a parameter's gradient is ready (``ParameterHook``, on its gradient
+accumulator, as DDP's: after the tensor's own post-accumulate-grad hooks, so a hook that
+edits ``.grad`` in place edits what is averaged).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Protocol
 
 from torch import Tensor
@@ -40,13 +43,19 @@ class Armed:
 
 
 class ParameterHook:
-    """The post-accumulate-grad hook of one parameter: tells the reducer it is ready."""
+    """The hook on one parameter's gradient accumulator: tells the reducer it is ready.
+
+    It holds the reducer weakly: the reducer keeps the accumulator, so a strong
+    reference back would be a cycle through autograd's nodes.
+    """
 
     __slots__ = ("_index", "_reducer")
 
     def __init__(self, reducer: _Readies, index: int) -> None:
-        self._reducer = reducer
+        self._reducer = weakref.ref(reducer)
         self._index = index
 
-    def __call__(self, parameter: Tensor) -> None:
-        self._reducer.ready(self._index)
+    def __call__(self, *unused: object) -> None:
+        reducer = self._reducer()
+        if reducer is not None:
+            reducer.ready(self._index)

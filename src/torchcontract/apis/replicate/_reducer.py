@@ -69,6 +69,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._C._distributed_c10d import GradBucket
 from torch.distributed.algorithms.join import _JoinConfig
+from torch.utils.hooks import RemovableHandle
 
 from torchcontract import (
     Application,
@@ -83,6 +84,7 @@ from ._bucket_views import copy_in, new_buffer, point_into_bucket, split, write_
 from ._buckets import assign_buckets_as_ddp
 from ._comm_hook import Bucket, CommHook, hook_result
 from ._ignored import kept_buffers
+from ._in_backward import step as step_in_backward
 from ._rebuild import first_limits, first_ranks_buckets, limits
 from ._state import ReplicateState
 from ._unused import (
@@ -202,6 +204,12 @@ class Reducer:
         self.sync_buffers_next_forward = True
         # As DDP: a module without buffers at apply never broadcasts any, and skips the
         # walk over its tree that finds them on every forward.
+        #: Each parameter's gradient accumulator and the handle of its hook, kept: a hook
+        #: on an accumulator nobody holds would be lost with it (DDP keeps them too).
+        self.accumulators: list[tuple[object, RemovableHandle]] = []
+        #: The positions of parameters with optimizers applied in backward (``_in_backward``),
+        #: set once apply has taken them over.
+        self.in_backward: tuple[int, ...] = ()
         #: DDP's parameters and buffers to ignore (``_ignored``): never broadcast.
         self.ignored = ignored
         self.has_buffers = bool(kept_buffers(module, ignored))
@@ -229,9 +237,12 @@ class Reducer:
         return self._application.record(module)
 
     def forget(self, module: nn.Module) -> None:
-        """``reducer_of(module)`` answers None from now on (a rolled-back apply)."""
+        """``reducer_of(module)`` answers None from now on (a rolled-back apply); unhooked."""
         if _REDUCERS.get(module) is self:
             del _REDUCERS[module]
+        for _, handle in self.accumulators:
+            handle.remove()
+        self.accumulators.clear()
 
     @property
     def bucket_names(self) -> tuple[tuple[str, ...], ...]:
@@ -558,6 +569,8 @@ class Reducer:
             used = self._used_everywhere()
             for position, averages in results:
                 self._write_back(position, averages, used)
+            if self.in_backward:
+                step_in_backward([self._parameter(index) for index in self.in_backward])
             if self._arrival is not None:
                 self._arrived_in_order(self._arrival)
         finally:
