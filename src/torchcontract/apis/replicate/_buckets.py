@@ -21,6 +21,7 @@ from typing import Final
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._C._distributed_c10d import _compute_bucket_assignment_by_size
 
 from .. import _torch
 
@@ -36,40 +37,27 @@ __all__ = [
 #: DDP's ``dist._DEFAULT_FIRST_BUCKET_BYTES``.
 FIRST_BUCKET_BYTES: Final = 1024 * 1024
 
-_Kind = tuple[torch.device, torch.dtype]
-
 
 def assign_buckets_as_ddp(
-    tensors: Sequence[Tensor], order: Iterable[int], limits: Sequence[int]
+    tensors: Sequence[Tensor], order: Iterable[int] | None, limits: Sequence[int]
 ) -> list[list[int]]:
-    """DDP's ``_compute_bucket_assignment_by_size``: the indices of ``tensors`` in buckets.
+    """DDP's ``_compute_bucket_assignment_by_size``, DDP's own function: indices in buckets.
 
     A bucket takes each tensor first and closes once it holds at least its cap (so
-    it may exceed it by its last tensor). The caps of
-    each kind's buckets are ``limits`` in turn, the last one repeated. The buckets
-    closed come first, in the order they closed, then those left open, in the
-    order they opened. Where a communication hook's result depends on the
-    buckets, they must be DDP's.
+    it may exceed it by its last tensor). The caps of each kind's buckets are
+    ``limits`` in turn, the last one repeated. Without ``order`` (DDP's first
+    assignment), tensors are taken as given and the buckets sorted by their first
+    index; with it (a rebuild), taken in that order, the buckets closed first, in the
+    order they closed, then those left open in DDP's own order. Where a communication
+    hook's result depends on the buckets, or on their order, they must be DDP's.
     """
-    buckets: list[list[int]] = []
-    # Per kind: the open bucket, its bytes so far, and the position of its cap in limits.
-    open_buckets: dict[_Kind, tuple[list[int], int, int]] = {}
-    opened: list[list[int]] = []
-    for index in order:
-        tensor = tensors[index]
-        kind = (tensor.device, tensor.dtype)
-        bucket, used, position = open_buckets.get(kind, ([], 0, 0))
-        if not bucket:
-            opened.append(bucket)
-        bucket.append(index)
-        used += tensor.numel() * tensor.element_size()
-        if used >= limits[position]:
-            buckets.append(bucket)
-            opened = [other for other in opened if other is not bucket]
-            open_buckets[kind] = ([], 0, min(position + 1, len(limits) - 1))
-        else:
-            open_buckets[kind] = (bucket, used, position)
-    return buckets + opened
+    indices = [] if order is None else list(order)
+    # As DDP's rebuild calls it: the tensors in the order taken, each beside its index.
+    taken = list(tensors) if order is None else [tensors[index] for index in indices]
+    buckets, _ = _compute_bucket_assignment_by_size(
+        taken, list(limits), [False] * len(taken), indices
+    )
+    return [list(bucket) for bucket in buckets]
 
 
 #: DDP's ``broadcast_bucket_size``, whatever ``bucket_cap_mb`` is: the largest chunk of
@@ -86,7 +74,7 @@ def broadcast_chunks(
     closes once it holds at least ``cap`` bytes; chunks in the order of their first
     tensor.
     """
-    return sorted(assign_buckets_as_ddp(tensors, range(len(tensors)), (cap,)), key=min)
+    return assign_buckets_as_ddp(tensors, None, (cap,))
 
 
 def broadcast_from_first_rank(tensors: Sequence[Tensor], group: dist.ProcessGroup) -> None:

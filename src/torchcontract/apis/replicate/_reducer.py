@@ -217,7 +217,7 @@ class Reducer:
         self.checked_torch_apis = False
         self._launched: list[_Pending] = []  # in order, not yet waited for
         # DDP's first assignment: in the parameters' order, launched last first.
-        buckets = assign_buckets_as_ddp(parameters, range(count), self._first_limits())
+        buckets = assign_buckets_as_ddp(parameters, None, self._first_limits())
         buckets.sort(key=min, reverse=True)
         self._set_buckets(buckets)
         _REDUCERS[module] = self
