@@ -206,3 +206,19 @@ def test_a_failed_first_static_backward_leaves_no_trace_in_the_rebuilt_buckets()
     names = [name for bucket in replicate.state(model).buckets for name in bucket]
     assert sorted(names) == sorted(name for name, _ in model.named_parameters())
     loss.backward()
+
+
+def _conv_gradient(wrap: Callable[..., nn.Module]) -> Tensor:
+    torch.manual_seed(0)
+    raw = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    model = wrap(raw, gradient_as_bucket_view=True)
+    model(torch.randn(2, 3, 6, 6)).sum().backward()
+    assert raw.weight.grad is not None
+    return raw.weight.grad
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_channels_last_weights_gradient_keeps_its_layout_in_the_bucket_as_ddps() -> None:
+    mine, theirs = _conv_gradient(replicate), _conv_gradient(DistributedDataParallel)
+    assert mine.stride() == theirs.stride() == (27, 1, 9, 3)
+    assert torch.equal(mine, theirs)

@@ -30,10 +30,35 @@ def new_buffer(bucket: Sequence[int], parameter: ParameterOf) -> tuple[Tensor, l
 
 
 def split(bucket: Sequence[int], parameter: ParameterOf, flat: Tensor) -> list[Tensor]:
-    """Views of a bucket-sized ``flat``, one per parameter in its shape."""
-    parameters = [parameter(index) for index in bucket]
-    pieces = torch.split(flat, [each.numel() for each in parameters])
-    return [piece.view(each.shape) for piece, each in zip(pieces, parameters, strict=True)]
+    """Views of a bucket-sized ``flat``, one per parameter in its shape.
+
+    As DDP's bucket views: with the parameter's strides where it is dense (a
+    ``channels_last`` weight's gradient keeps that layout), else contiguous.
+    """
+    views: list[Tensor] = []
+    offset = flat.storage_offset()
+    for each in (parameter(index) for index in bucket):
+        if _dense(each):
+            views.append(flat.as_strided(each.shape, each.stride(), offset))
+        else:
+            start = offset - flat.storage_offset()
+            views.append(flat[start : start + each.numel()].view(each.shape))
+        offset += each.numel()
+    return views
+
+
+def _dense(tensor: Tensor) -> bool:
+    """Whether ``tensor``'s elements fill its memory once each, in some order of its dims."""
+    if tensor.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted(zip(tensor.stride(), tensor.shape, strict=True)):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def copy_in(
