@@ -210,7 +210,9 @@ def test_a_failed_first_static_backward_leaves_no_trace_in_the_rebuilt_buckets()
 
 def _conv_gradient(wrap: Callable[..., nn.Module]) -> Tensor:
     torch.manual_seed(0)
-    raw = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    raw = nn.Conv2d(3, 4, 3)
+    with torch.no_grad():
+        raw.weight.data = raw.weight.contiguous(memory_format=torch.channels_last)
     model = wrap(raw, gradient_as_bucket_view=True)
     model(torch.randn(2, 3, 6, 6)).sum().backward()
     assert raw.weight.grad is not None
