@@ -23,6 +23,9 @@
 - Optimizers applied in backward (torch's ``_apply_optimizer_in_backward``): they step
   on the averaged gradients, as DDP steps them (on an accelerator: DDP refuses on the
   CPU), so the replicas stay equal; ``.grad`` is None after.
+- Under ``Join`` with ``find_unused_parameters``: a joined rank sends back the map of
+  used parameters it last all-reduced, as DDP's, so a parameter some rank used before
+  it joined gets averaged zeros where no active rank uses it (momentum moves it on).
 """
 
 from __future__ import annotations
@@ -279,8 +282,42 @@ def _stepping_in_backward(rank: int) -> tuple[bool, bool]:
     return same, all(parameter.grad is None for parameter in model.parameters())
 
 
+class Branching(nn.Module):
+    """A trunk, and a side layer only rank 0 uses, at odd steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(4, 2)
+        self.side = nn.Linear(2, 2)
+
+    def forward(self, x: Tensor, side: bool) -> Tensor:
+        out: Tensor = self.trunk(x)
+        return self.side(out) if side else out
+
+
+def _joined_unused(rank: int, wrap: Wrap) -> list[list[float]]:
+    """Rank 1 joins after 2 batches of rank 0's 5; SGD with momentum: the states per step."""
+    torch.manual_seed(0)
+    raw = Branching()
+    model = wrap(raw)
+    optimizer = torch.optim.SGD(raw.parameters(), lr=0.1, momentum=0.9)
+    seen = []
+    with cast(Any, model).join():
+        for index in range(5 if rank == 0 else 2):
+            side = rank == 0 and index % 2 == 1
+            torch.autograd.backward(cast(Tensor, model(_batch(rank, index), side)).pow(2).sum())
+            optimizer.step()
+            optimizer.zero_grad()
+            seen.append([float(x) for p in raw.parameters() for x in p.detach().reshape(-1)])
+    return seen
+
+
 def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _unused_found(wrap: Callable[..., nn.Module]) -> Wrap:
+    return lambda module: wrap(module, find_unused_parameters=True)
 
 
 def _job(rank: int, world_size: int) -> Results:
@@ -302,6 +339,8 @@ def _job(rank: int, world_size: int) -> Results:
         "evaluated_then_accumulated": _both(_mlp, ours, ddp, _evaluated_then_accumulated(rank)),
         "clipping_after": _both(_mlp, _clipping_after(ours), _clipping_after(ddp), _plain(rank)),
         "in_backward": _stepping_in_backward(rank),
+        "joined_unused": _joined_unused(rank, _unused_found(replicate))
+        == _joined_unused(rank, _unused_found(DistributedDataParallel)),
         "ignored_stays_local": _ignored_stays_local(rank),
     }
 
@@ -333,6 +372,7 @@ def ranks() -> list[Results]:
         "penalty_first",
         "evaluated_then_accumulated",
         "clipping_after",
+        "joined_unused",
     ],
 )
 def test_the_numbers_are_ddps(ranks: list[Results], pattern: str) -> None:

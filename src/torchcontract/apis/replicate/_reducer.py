@@ -183,6 +183,7 @@ class Reducer:
         self._on_synchronized = on_synchronized
         count = len(named)
         self._used = [False] * count  # accumulated into since the last synchronization
+        self._sent_used = [False] * count  # the last map of used parameters all-reduced
         # The arrival order of this synchronized backward, while the buckets are still to
         # be rebuilt; None once known, or where DDP never rebuilds them.
         self._arrival: list[int] | None = [] if self._rebuilds else None
@@ -619,7 +620,8 @@ class Reducer:
             return [True] * len(self._names)
         if self._settled is not None:
             return list(self._settled.used)
-        return used_on_some_rank(self._used, self._group, self.device)
+        self._sent_used = used_on_some_rank(self._used, self._group, self.device)
+        return list(self._sent_used)
 
     def _write_back(self, position: int, reduced: Tensor, used: Sequence[bool]) -> None:
         bucket = self._buckets[position]
@@ -689,7 +691,10 @@ class Reducer:
             if used_map is not None:
                 self._settle(used_map.result(), joined=True)
             elif self._tracks_used and not self._static_graph:
-                used_on_some_rank(nothing_used, self._group, self.device)  # the others' map
+                # The others' map: this rank sends the last map it all-reduced, as it came
+                # back, as DDP's joined rank does (DDP all-reduces its map in place): what
+                # any rank used then counts as used again, its zeros averaged.
+                self._sent_used = used_on_some_rank(self._sent_used, self._group, self.device)
             # As DDP's joined rank, which counts every parameter as arrived in definition
             # order: where it is the first rank, the rebuild takes that.
             if self._arrival is not None:
