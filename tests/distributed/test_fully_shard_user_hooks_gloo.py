@@ -8,12 +8,14 @@
 - A parameter under a nested application that the nested application does not manage
   (ignored there, or registered after it): FSDP2's outer application does not enter the
   nested one's modules, so the parameter stays a plain, unaveraged tensor.
+- All-reduce hooks, one per application: called in FSDP2's order, the groups whose
+  backward hooks never ran (inputs that need no gradient) reduced root first at the end.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import pytest
 import torch
@@ -155,6 +157,37 @@ def _nested_applications_unmanaged_parameters(rank: int, mesh: DeviceMesh) -> Re
     return found
 
 
+def _appending(order: list[str], label: str) -> Callable[[Tensor], None]:
+    return lambda output: order.append(label)
+
+
+def _reduction_order(rank: int, mesh: DeviceMesh) -> list[list[str]]:
+    """Per implementation, the order its groups' all-reduce hooks ran in, over 2 steps.
+
+    Three layers, the first two sharded each and the root: the input needs no gradient,
+    so the first layer's backward hook never runs and it reduces at the end, beside
+    the root.
+    """
+    orders = []
+    for apply in APPLIES.values():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
+        apply(model[0], mesh=mesh)
+        apply(model[1], mesh=mesh)
+        apply(model, mesh=mesh)
+        order: list[str] = []
+        for name, module in model.named_modules():
+            if fully_shard.is_applied(module) or hasattr(module, "set_all_reduce_hook"):
+                label = name or "root"
+                cast(Any, module).set_all_reduce_hook(_appending(order, label))
+        for index in range(STEPS):
+            x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank + index))
+            torch.autograd.backward(model(x).pow(2).sum())
+            order.append("step")
+        orders.append(order)
+    return orders
+
+
 def _job(rank: int, world_size: int) -> Results:
     mesh = init_device_mesh("cpu", (world_size,))
     torch.use_deterministic_algorithms(True)
@@ -162,6 +195,7 @@ def _job(rank: int, world_size: int) -> Results:
         "optimizer_in_backward": _optimizer_in_backward(rank, mesh),
         "pre_hooks": _pre_hooks_see_gathered_parameters(rank, mesh),
         "nested": _nested_applications_unmanaged_parameters(rank, mesh),
+        "order": _reduction_order(rank, mesh),
     }
 
 
@@ -196,3 +230,10 @@ def test_a_nested_applications_unmanaged_parameters_stay_as_fsdp2_leaves_them(
         assert found["ours"] == found["FSDP2"] == [False, False]
         assert found["gap"] == 0.0
     assert ranks[0]["nested"]["own"] != ranks[1]["nested"]["own"]
+
+
+def test_the_groups_reduce_in_fsdp2s_order(ranks: list[Results]) -> None:
+    for rank in ranks:
+        ours, theirs = rank["order"]
+        assert ours == theirs
+        assert ours[:3] == ["1", "root", "0"]

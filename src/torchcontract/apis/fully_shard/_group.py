@@ -590,7 +590,7 @@ def finish_backward(root: Root) -> None:
     but the counting.
     """
     try:
-        for group in reversed(root.groups):
+        for group in root.groups:  # root first, as FSDP2's states are gone through
             if group.phase is not Phase.POST_BACKWARD:
                 # Inputs that need no gradient (token ids) never trigger it.
                 group.post_backward()
