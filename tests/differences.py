@@ -148,6 +148,27 @@ DIFFERENCES: Final = (
     ),
     Difference(
         "fully_shard",
+        "`unshard(async_op=True)`, then `reshard()` before waiting, then an optimizer step",
+        "the next forward gathers the parameters as they are, after the step",
+        "the next forward uses the pending all-gather: the parameters before the step",
+        "A reshard drops a gather not yet waited for. Wait on the handle before a reshard "
+        "to use what it gathered.",
+        _DISTRIBUTED + "test_fully_shard_where_fsdp2_errs_gloo.py"
+        "::test_a_reshard_before_an_async_unshard_was_waited_for_drops_it",
+    ),
+    Difference(
+        "fully_shard",
+        "HSDP, `set_requires_all_reduce(False)`, micro-batches that use different parameters",
+        "each parameter's deferred sum joins its own gradient",
+        "deferred sums are added to the next reduction by position: one parameter's may "
+        "land in another's gradient",
+        "Deferred results are kept per parameter. Where every micro-batch uses the same "
+        "parameters, both agree.",
+        _DISTRIBUTED + "test_fully_shard_where_fsdp2_errs_gloo.py"
+        "::test_deferred_all_reduces_of_different_parameters_stay_with_their_own",
+    ),
+    Difference(
+        "fully_shard",
         "A dtype cast between steps",
         "followed: the shards take the new dtype",
         "its dtypes are fixed at the first forward; the next all-gather fails",
