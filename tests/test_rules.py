@@ -22,6 +22,7 @@ from torchcontract import (
     RulePredicateError,
     StateStore,
     TorchAPIName,
+    UnknownRuleScopeError,
     UnknownTorchAPIError,
     contract,
     registry,
@@ -374,6 +375,16 @@ def test_rule_naming_an_unknown_torch_api_is_refused_listing_the_known_names() -
     assert "Incompatible('checkpiont')" in message
     assert "(did you mean 'checkpoint'?)" in message
     assert "'checkpoint', 'fully_shard', 'replicate'" in message
+
+
+@pytest.mark.parametrize("scope", ["subtree", "Tree", "", None])
+def test_a_rule_of_an_unknown_scope_is_refused_where_it_is_made(scope: object) -> None:
+    for other in ("fully_shard", contract()(lambda module: module)):
+        with pytest.raises(UnknownRuleScopeError) as info:
+            Incompatible(other, scope=scope)  # type: ignore[call-overload]
+        message = str(info.value)
+        assert f"scope={scope!r}): scope is 'tree'" in message
+        assert message.startswith("Incompatible(")
 
 
 def test_known_torch_api_names_are_the_names_torch_registers_its_apis_under() -> None:

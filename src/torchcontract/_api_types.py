@@ -18,7 +18,7 @@ from torch import nn
 from typing_extensions import TypeVar
 
 from ._arguments import close_name
-from ._errors import UnknownTorchAPIError
+from ._errors import UnknownRuleScopeError, UnknownTorchAPIError
 
 __all__ = [
     "TORCH_API_NAMES",
@@ -212,6 +212,7 @@ class Incompatible:
     Raises:
         UnknownTorchAPIError: ``other`` is a string torch registers no API under; the
             message lists the known names and the closest one.
+        UnknownRuleScopeError: ``scope`` is neither ``"tree"`` nor ``"module"``.
         TypeError: ``when`` was given for a torch API.
     """
 
@@ -238,6 +239,11 @@ class Incompatible:
         when: Callable[[RegistryEntry[Any]], bool] | None = None,
     ) -> None:
         _check_torch_name(other)
+        if scope not in get_args(RuleScope):
+            raise UnknownRuleScopeError(
+                f"Incompatible({_rule_target(other)}, scope={scope!r}): scope is 'tree' (the "
+                "module and those nested inside or around it) or 'module' (the same module only)"
+            )
         if when is not None and isinstance(other, str):
             raise TypeError(
                 f"Incompatible({other!r}, when=...): torch's registry records no arguments, "
@@ -250,9 +256,13 @@ class Incompatible:
 
     def describe(self) -> str:
         """The rule as written, for messages: ``Incompatible(mylib.shard, when=reshards)``."""
-        other = repr(self.other) if isinstance(self.other, str) else self.other.name
         when = "" if self.when is None else f", when={_callable_name(self.when)}"
-        return f"Incompatible({other}{when})"
+        return f"Incompatible({_rule_target(self.other)}{when})"
+
+
+def _rule_target(other: AnyContract | str) -> str:
+    """How a rule's ``other`` is written in messages: a torch name quoted, a contract's name."""
+    return repr(other) if isinstance(other, str) else other.name
 
 
 def _callable_name(function: Callable[..., object]) -> str:

@@ -29,6 +29,7 @@ __all__ = [
     "RulePredicateError",
     "ScalarParameterError",
     "UnfinishedBackwardError",
+    "UnknownRuleScopeError",
     "UnknownTorchAPIError",
     "UnmaterializedParameterError",
     "UnnamedMeshError",
@@ -193,3 +194,7 @@ class UnfinishedBackwardError(ContractError):
 
 class UnknownTorchAPIError(ValueError):
     """A rule names a torch composable API by a name torch does not register."""
+
+
+class UnknownRuleScopeError(ValueError):
+    """A rule's ``scope`` is not one of ``RuleScope``'s: ``"module"`` or ``"tree"``."""
