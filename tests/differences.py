@@ -318,6 +318,15 @@ DIFFERENCES: Final = (
     ),
     Difference(
         "replicate",
+        "`copy.deepcopy` of a replicated model",
+        "a plain model of its class: its gradients are not averaged",
+        "a `DistributedDataParallel` that averages",
+        "A copy (an EMA model, a snapshot) is a model of its own: apply `replicate` to it if "
+        "it trains on every rank.",
+        "probe:deepcopy_of_a_replicated_module",
+    ),
+    Difference(
+        "replicate",
         "Evaluating on one rank alone",
         "`with rank_local(model): model(x)`",
         "`ddp.module(x)`",

@@ -169,6 +169,17 @@ def _no_wrapper() -> None:
     assert set(wrapped.state_dict()) == {"module.weight", "module.bias"}
 
 
+def _deepcopy_of_a_replicated_module() -> None:
+    model = replicate(nn.Linear(2, 2))
+    copied = copy.deepcopy(model)
+    assert type(copied) is nn.Linear
+    assert not replicate.is_applied(copied)
+    copied(torch.randn(1, 2)).sum().backward()  # nothing averaged, nothing counted
+    assert replicate.state(model).step == 0
+    wrapped = copy.deepcopy(DistributedDataParallel(nn.Linear(2, 2)))
+    assert isinstance(wrapped, DistributedDataParallel)  # DDP's copy is a DDP
+
+
 def _rank_local() -> None:
     model = replicate(nn.Linear(2, 2))
     with rank_local(model):
@@ -259,6 +270,7 @@ PROBES: dict[str, Probe] = {
     "broadcast_buffers_default": _broadcast_buffers_default,
     "accelerator_methods": _accelerator_methods,
     "deepcopy_of_a_sharded_module": _deepcopy_of_a_sharded_module,
+    "deepcopy_of_a_replicated_module": _deepcopy_of_a_replicated_module,
     "module_sharded_after_its_parent": _module_sharded_after_its_parent,
     "no_trainable_parameter": _no_trainable_parameter,
     "dp_mesh_dims_replicate_only": _dp_mesh_dims_replicate_only,
