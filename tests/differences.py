@@ -327,6 +327,15 @@ DIFFERENCES: Final = (
     ),
     Difference(
         "replicate",
+        "Tensor-parallel parameters (`DTensor`s)",
+        "refused at apply",
+        "taken (its `_pre_dp_module_transform` first)",
+        "Use `fully_shard` over the data-parallel mesh, which takes them, as torchtitan does.",
+        "probe:tensor_parallel_parameters",
+        InvalidTargetError,
+    ),
+    Difference(
+        "replicate",
         "Evaluating on one rank alone",
         "`with rank_local(model): model(x)`",
         "`ddp.module(x)`",

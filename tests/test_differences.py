@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import Shard, distribute_module
-from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _MixedPrecision
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -180,6 +180,15 @@ def _deepcopy_of_a_replicated_module() -> None:
     assert isinstance(wrapped, DistributedDataParallel)  # DDP's copy is a DDP
 
 
+def _tensor_parallel_parameters() -> Call:
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    plan: dict[str, ParallelStyle] = {"0": ColwiseParallel()}
+    theirs = parallelize_module(nn.Sequential(nn.Linear(2, 2)), mesh["tp"], plan)
+    DistributedDataParallel(theirs, device_mesh=mesh["dp"])  # DDP takes it
+    ours = parallelize_module(nn.Sequential(nn.Linear(2, 2)), mesh["tp"], plan)
+    return lambda: replicate(ours, device_mesh=mesh["dp"])
+
+
 def _rank_local() -> None:
     model = replicate(nn.Linear(2, 2))
     with rank_local(model):
@@ -271,6 +280,7 @@ PROBES: dict[str, Probe] = {
     "accelerator_methods": _accelerator_methods,
     "deepcopy_of_a_sharded_module": _deepcopy_of_a_sharded_module,
     "deepcopy_of_a_replicated_module": _deepcopy_of_a_replicated_module,
+    "tensor_parallel_parameters": _tensor_parallel_parameters,
     "module_sharded_after_its_parent": _module_sharded_after_its_parent,
     "no_trainable_parameter": _no_trainable_parameter,
     "dp_mesh_dims_replicate_only": _dp_mesh_dims_replicate_only,

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from torchcontract import (
     ContractError,
@@ -254,6 +255,14 @@ def _require_trainable(module: nn.Module, named: list[tuple[str, nn.Parameter]])
             f"replicate on {module_label(module)}: no parameter requires a gradient, so there "
             "is nothing to average (DistributedDataParallel refuses such a module too); "
             "apply replicate to a module with trainable parameters"
+        )
+    distributed = [name for name, parameter in named if isinstance(parameter, DTensor)]
+    if distributed:
+        raise InvalidTargetError(
+            f"replicate on {module_label(module)}: parameter {distributed[0]!r} is a DTensor "
+            "(tensor parallelism), which replicate does not average; shard over the "
+            "data-parallel mesh with fully_shard(module, mesh=mesh['dp']) instead, which takes "
+            "tensor-parallel parameters"
         )
 
 
