@@ -44,6 +44,10 @@ def _sum_over_ranks(rank: int, world_size: int, base: float) -> float:
     return float(value)
 
 
+def _tensors(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    return {"rank": torch.full((3,), float(rank)), "large": torch.arange(100_000.0)}
+
+
 def _fail_on_rank_one(rank: int, world_size: int) -> None:
     if rank == 1:
         raise ValueError("rank one refuses")
@@ -114,6 +118,14 @@ def test_args_reach_every_rank_and_collectives_work() -> None:
 
 def test_single_rank_group_works() -> None:
     assert run_distributed(_who, 1) == [(0, 1, 0, 1, "gloo")]
+
+
+def test_ranks_may_return_tensors_which_come_back_by_value() -> None:
+    """Not through memory the rank shares and frees as it exits (multiprocessing's way)."""
+    results = run_distributed(_tensors, 2)
+    assert [result["rank"].tolist() for result in results] == [[0.0] * 3, [1.0] * 3]
+    assert all(torch.equal(result["large"], torch.arange(100_000.0)) for result in results)
+    assert not any(tensor.is_shared() for result in results for tensor in result.values())
 
 
 def test_spawn_start_method_works() -> None:

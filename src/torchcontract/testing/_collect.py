@@ -133,7 +133,7 @@ def collect(
             reader = pending[rank]
             if reader.poll():
                 try:
-                    _, ok, payload = reader.recv()
+                    _, ok, payload = pickle.loads(reader.recv_bytes())
                 except EOFError:
                     ok, payload = False, None
             else:

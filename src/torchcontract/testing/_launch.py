@@ -246,9 +246,11 @@ def _rank_main(job: _Job, rank: int, writer: Connection) -> None:
         faulthandler.enable(file=stack_file, all_threads=True)
     try:
         try:
-            writer.send((rank, *_run_rank(job, rank)))
+            # Pickled here, by value: multiprocessing's own pickler would share a tensor's
+            # memory with the parent, which this rank frees as it exits.
+            writer.send_bytes(pickle.dumps((rank, *_run_rank(job, rank))))
         except BaseException as error:  # the function's result does not pickle
-            writer.send((rank, False, Failure.of(error, in_function=True)))
+            writer.send_bytes(pickle.dumps((rank, False, Failure.of(error, in_function=True))))
         finally:
             writer.close()
     finally:
