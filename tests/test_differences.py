@@ -42,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _MixedPrecision
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from torchcontract import InvalidTargetError
 from torchcontract.apis import _compat, fully_shard, rank_local, replicate
 from torchcontract.testing import free_port
 
@@ -185,6 +186,11 @@ def _tensor_parallel_parameters() -> Call:
     plan: dict[str, ParallelStyle] = {"0": ColwiseParallel()}
     theirs = parallelize_module(nn.Sequential(nn.Linear(2, 2)), mesh["tp"], plan)
     DistributedDataParallel(theirs, device_mesh=mesh["dp"])  # DDP takes it
+    frozen = parallelize_module(nn.Linear(2, 2), mesh["tp"], ColwiseParallel())
+    frozen.requires_grad_(False)
+    trains = nn.Sequential(frozen, nn.Linear(2, 2))  # the tensor-parallel layer does not
+    with pytest.raises(InvalidTargetError, match=r"parameter '0.weight' is a DTensor"):
+        replicate(trains, device_mesh=mesh["dp"])
     ours = parallelize_module(nn.Sequential(nn.Linear(2, 2)), mesh["tp"], plan)
     return lambda: replicate(ours, device_mesh=mesh["dp"])
 

@@ -251,8 +251,8 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
     Mutant(
         "replicate_no_reset_after_failed_backward",
         "apis/replicate/_reducer.py",
-        "            self._reset_backward()\n        self._task = task",
-        "            pass\n        self._task = task",
+        "            self.check_finished()\n            self._reset_backward()\n",
+        "            self.check_finished()\n",
         (REPLICATE_BUCKETS,),
         "the reducer is not reset after a synchronizing backward that failed harmlessly",
     ),

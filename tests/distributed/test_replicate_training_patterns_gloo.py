@@ -23,6 +23,14 @@
 - Optimizers applied in backward (torch's ``_apply_optimizer_in_backward``): they step
   on the averaged gradients, as DDP steps them (on an accelerator: DDP refuses on the
   CPU), so the replicas stay equal; ``.grad`` is None after.
+- A gradient penalty: ``torch.autograd.grad`` through the outputs first (it accumulates
+  nothing, so it is not the synchronizing backward, as under DDP), then the loss's.
+- An evaluation on one rank alone (``rank_local``, without grad) between a forward and
+  its backward: that backward is still averaged.
+- A backward that raised before any gradient arrived: the next steps train as DDP's,
+  a parameter used outside the forward included.
+- ``channels_last`` weights under PowerSGD: a hook's ``bucket.gradients()`` are
+  contiguous views of the buffer, as ``GradBucket``'s.
 - Under ``Join`` with ``find_unused_parameters``: a joined rank sends back the map of
   used parameters it last all-reduced, as DDP's, so a parameter some rank used before
   it joined gets averaged zeros where no active rank uses it (momentum moves it on).
@@ -30,6 +38,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from typing import Any, Final, cast
@@ -42,7 +51,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.distributed.optim.apply_optimizer_in_backward import _apply_optimizer_in_backward
 from torch.nn.parallel import DistributedDataParallel
 
-from torchcontract.apis import _torch, replicate
+from torchcontract.apis import _torch, rank_local, replicate
 from torchcontract.testing import run_distributed
 
 Results = dict[str, Any]
@@ -259,21 +268,42 @@ def _clipping_after(wrap: Wrap) -> Wrap:
     return wrapped
 
 
-def _stepping_in_backward(rank: int) -> tuple[bool, bool]:
-    """SGD applied in backward under replicate, against SGD on gradients averaged by hand:
-    whether the parameters agree exactly, and whether every ``.grad`` is None after."""
+class PartlyUsed(nn.Module):
+    """A layer every forward uses, and one none does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(4, 3)
+        self.unused = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.used(x)
+        return out
+
+
+def _stepping_in_backward(rank: int, when: str) -> tuple[bool, bool]:
+    """SGD with momentum and weight decay applied in backward, ``when`` "before" or "after"
+    ``replicate`` (before its first forward, as DDP's lazy init takes them), against the
+    same SGD on gradients averaged by hand; a layer no forward uses steps on zeros, as
+    under DDP (``find_unused_parameters``). Whether the parameters agree exactly, and
+    whether every ``.grad`` is None after."""
+    settings = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}
     torch.manual_seed(0)
-    model = _mlp()
-    apply_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
-    replicate(model)
+    model = PartlyUsed()
+    if when == "before":
+        apply_in_backward(torch.optim.SGD, model.parameters(), settings)
+    replicate(model, find_unused_parameters=True)
+    if when == "after":
+        apply_in_backward(torch.optim.SGD, model.parameters(), settings)
     torch.manual_seed(0)
-    reference = _mlp()
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference = PartlyUsed()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
     for index in range(STEPS):
         torch.autograd.backward(cast(Tensor, model(_batch(rank, index))).pow(2).sum())
         torch.autograd.backward(cast(Tensor, reference(_batch(rank, index))).pow(2).sum())
         for parameter in reference.parameters():
-            assert parameter.grad is not None
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
             dist.all_reduce(parameter.grad)
             parameter.grad.div_(2)
         optimizer.step()
@@ -312,6 +342,98 @@ def _joined_unused(rank: int, wrap: Wrap) -> list[list[float]]:
     return seen
 
 
+def _penalized(rank: int) -> Callable[[nn.Module, int], Tensor]:
+    def step(model: nn.Module, index: int) -> Tensor:
+        x = _batch(rank, index).requires_grad_()
+        out = cast(Tensor, model(x))
+        (slope,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        return out.pow(2).sum() + slope.pow(2).sum()
+
+    return step
+
+
+def _evaluated_alone_between(rank: int) -> Callable[[nn.Module, int], Tensor]:
+    def step(model: nn.Module, index: int) -> Tensor:
+        out = cast(Tensor, model(_batch(rank, index)))
+        local = model.module if isinstance(model, DistributedDataParallel) else model
+        with rank_local(local) if local is model else contextlib.nullcontext(), torch.no_grad():
+            local(_batch(rank, index + 30))
+        return out.pow(2).sum()
+
+    return step
+
+
+class _RaiseOnce(torch.autograd.Function):
+    armed = False
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        if _RaiseOnce.armed:
+            _RaiseOnce.armed = False
+            raise ValueError("a bad batch")
+        return grad
+
+
+_raise_once: Final = cast(Callable[[Tensor], Tensor], _RaiseOnce.apply)
+
+
+class Scaled(nn.Module):
+    """A layer whose output passes a point that may raise first; ``scale`` is used outside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _raise_once(self.layer(x))
+
+
+def _after_an_early_failure(rank: int) -> Callable[[nn.Module, int], Tensor]:
+    def step(model: nn.Module, index: int) -> Tensor:
+        scaled = cast(Scaled, model.module if isinstance(model, DistributedDataParallel) else model)
+        if index == 0:
+            _RaiseOnce.armed = True
+            with pytest.raises(ValueError, match="a bad batch"):
+                torch.autograd.backward(cast(Tensor, model(_batch(rank, 99))).sum())
+            scaled.zero_grad()
+        return (cast(Tensor, model(_batch(rank, index))) * scaled.scale).pow(2).sum()
+
+    return step
+
+
+def _channels_last_net() -> nn.Module:
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.Flatten(), nn.Linear(16, 3))
+    with torch.no_grad():
+        conv = cast(nn.Conv2d, model[0])
+        conv.weight.data = conv.weight.contiguous(memory_format=torch.channels_last)
+    return model
+
+
+def _images(rank: int) -> Callable[[nn.Module, int], Tensor]:
+    def step(model: nn.Module, index: int) -> Tensor:
+        x = torch.randn(2, 2, 4, 4, generator=torch.Generator().manual_seed(rank + 10 * index))
+        return cast(Tensor, model(x)).pow(2).sum()
+
+    return step
+
+
+def _power_sgd_plain(wrap: Wrap) -> Wrap:
+    def hooked(module: nn.Module) -> nn.Module:
+        model = wrap(module)
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2
+        )
+        cast(Any, model).register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return model
+
+    return hooked
+
+
 def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
 
@@ -338,7 +460,16 @@ def _job(rank: int, world_size: int) -> Results:
         "penalty_first": _both(_mlp, ours, ddp, _penalty_first(rank)),
         "evaluated_then_accumulated": _both(_mlp, ours, ddp, _evaluated_then_accumulated(rank)),
         "clipping_after": _both(_mlp, _clipping_after(ours), _clipping_after(ddp), _plain(rank)),
-        "in_backward": _stepping_in_backward(rank),
+        "in_backward": [_stepping_in_backward(rank, when) for when in ("before", "after")],
+        "penalized": _both(_mlp, ours, ddp, _penalized(rank)),
+        "penalized_unused_found": _both(
+            _mlp, _unused_found(replicate), _unused_found(ddp), _penalized(rank)
+        ),
+        "evaluated_alone_between": _both(_mlp, ours, ddp, _evaluated_alone_between(rank)),
+        "after_an_early_failure": _both(Scaled, ours, ddp, _after_an_early_failure(rank)),
+        "channels_last_power_sgd": _both(
+            _channels_last_net, _power_sgd_plain(ours), _power_sgd_plain(ddp), _images(rank)
+        ),
         "joined_unused": _joined_unused(rank, _unused_found(replicate))
         == _joined_unused(rank, _unused_found(DistributedDataParallel)),
         "ignored_stays_local": _ignored_stays_local(rank),
@@ -373,6 +504,11 @@ def ranks() -> list[Results]:
         "evaluated_then_accumulated",
         "clipping_after",
         "joined_unused",
+        "penalized",
+        "penalized_unused_found",
+        "evaluated_alone_between",
+        "after_an_early_failure",
+        "channels_last_power_sgd",
     ],
 )
 def test_the_numbers_are_ddps(ranks: list[Results], pattern: str) -> None:
@@ -382,7 +518,7 @@ def test_the_numbers_are_ddps(ranks: list[Results], pattern: str) -> None:
 def test_optimizers_applied_in_backward_step_on_the_averaged_gradients(
     ranks: list[Results],
 ) -> None:
-    assert [rank["in_backward"] for rank in ranks] == [(True, True), (True, True)]
+    assert [rank["in_backward"] for rank in ranks] == [[(True, True)] * 2] * 2
 
 
 def test_what_ddp_is_told_to_ignore_stays_each_ranks_own(ranks: list[Results]) -> None:

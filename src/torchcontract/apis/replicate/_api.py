@@ -37,7 +37,6 @@ from ._buckets import broadcast_from_first_rank
 from ._devices import InvalidKeywordError, MoveInputs, devices
 from ._forward import after_forward, before_forward
 from ._ignored import ignored_names, kept_buffers, kept_parameters
-from ._in_backward import TakenOver
 from ._keywords import (
     buffer_sync,
     refuse_unsupported,
@@ -256,7 +255,9 @@ def _require_trainable(module: nn.Module, named: list[tuple[str, nn.Parameter]])
             "is nothing to average (DistributedDataParallel refuses such a module too); "
             "apply replicate to a module with trainable parameters"
         )
-    distributed = [name for name, parameter in named if isinstance(parameter, DTensor)]
+    distributed = [
+        name for name, parameter in module.named_parameters() if isinstance(parameter, DTensor)
+    ]
     if distributed:
         raise InvalidTargetError(
             f"replicate on {module_label(module)}: parameter {distributed[0]!r} is a DTensor "
@@ -496,10 +497,6 @@ def replicate(
     module.register_forward_pre_hook(hooks.before, prepend=True)
     module.register_forward_hook(hooks.after)
     on_rollback(_Undo(module, reducer))
-    taken = TakenOver([parameter for _, parameter in named])  # DDP's: stepped after averaging
-    reducer.in_backward = taken.positions
-    if taken.positions:
-        on_rollback(taken)
     module.__class__ = replicate_class(type(module))
     replicate.update(
         module,

@@ -38,7 +38,7 @@ _BF16_HOOKS: Final = ("bf16_compress_hook", "bf16_compress_wrapper_hook")
 class Bucket:
     """What a communication hook is given: torch's ``GradBucket`` methods, on our bucket."""
 
-    __slots__ = ("_buffer", "_given", "_gradients", "_index", "_is_last", "_parameters")
+    __slots__ = ("_buffer", "_gradients", "_index", "_is_last", "_parameters")
 
     def __init__(
         self,
@@ -50,7 +50,7 @@ class Bucket:
         is_last: bool,
     ) -> None:
         self._index = index
-        self._buffer = self._given = buffer
+        self._buffer = buffer
         self._gradients = list(gradients)
         self._parameters = list(parameters)
         self._is_last = is_last
@@ -66,11 +66,10 @@ class Bucket:
     def gradients(self) -> list[Tensor]:
         """Each parameter's gradient as a view of ``buffer()``, in the parameter's shape.
 
-        Of the buffer as it is now, as ``GradBucket``'s: after ``set_buffer`` (a hook
-        wrapping another, compressing first), views of the new one.
+        As ``GradBucket``'s: contiguous views of the buffer as it is now (after
+        ``set_buffer``, a hook wrapping another and compressing first, of the new one),
+        whatever the parameters' own strides.
         """
-        if self._buffer is self._given:
-            return list(self._gradients)
         views: list[Tensor] = []
         offset = 0
         for gradient in self._gradients:

@@ -48,6 +48,10 @@ def before_forward(reducer: Reducer, module: nn.Module) -> None:
         reducer.checked_torch_apis = True
     if record.rank_local:
         return
+    if not reducer.took_over_in_backward:
+        # DDP's lazy init, at the first forward: optimizers applied in backward by then
+        # step on the averaged gradients (``_in_backward``).
+        reducer.take_over_in_backward()
     if torch.is_grad_enabled():
         # DDP's check, at the same moment: before any forward with grad enabled.
         reducer.check_finished()
@@ -115,7 +119,8 @@ def after_forward(reducer: Reducer, module: nn.Module, output: object) -> None:
     if record is None:
         return
     if record.rank_local:
-        reducer.forget_expected_backward()  # its backward must send nothing
+        if torch.is_grad_enabled():
+            reducer.forget_expected_backward()  # its backward must send nothing
         return
     synchronizing = torch.is_grad_enabled() and record.sync_gradients
     forward = reducer.expect_backward(synchronizing)

@@ -3,24 +3,23 @@
 torch's ``_apply_optimizer_in_backward`` gives each parameter optimizers of its own
 (``param._in_backward_optimizers``) and a hook on its gradient accumulator that steps
 them on the gradient just accumulated: this rank's alone, so the replicas would drift
-apart. As DDP does, ``replicate`` removes those hooks at apply (``TakenOver``) and steps
-the optimizers once the gradients are averaged, at the end of each synchronizing
-backward, then sets those parameters' ``.grad`` to None (``step``). Backwards that
-only accumulate (``no_sync``) step nothing, as under DDP. A rolled-back apply gives the
-hooks back.
+apart. As DDP does at its first forward, ``replicate`` removes those hooks
+(``take_over``) and steps the optimizers once the gradients are averaged, at the end of
+each synchronizing backward, then sets those parameters' ``.grad`` to None (``step``).
+Backwards that only accumulate (``no_sync``) step nothing, as under DDP.
 """
 
 from __future__ import annotations
 
 from collections.abc import MutableMapping, Sequence
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch import Tensor
 from torch.distributed.optim import apply_optimizer_in_backward
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["TakenOver", "step"]
+__all__ = ["step", "take_over"]
 
 
 def _handles() -> MutableMapping[Tensor, list[RemovableHandle]]:
@@ -35,41 +34,16 @@ def _optimizers(parameter: Tensor) -> list[torch.optim.Optimizer]:
     return cast("list[torch.optim.Optimizer]", getattr(parameter, "_in_backward_optimizers", []))
 
 
-class TakenOver:
-    """The in-backward optimizers of a replicated module's parameters, their hooks removed.
-
-    ``positions``: those parameters' positions in the sequence given. Calling it gives
-    the hooks back, as torch registered them (a rolled-back apply).
-    """
-
-    def __init__(self, parameters: Sequence[Tensor]) -> None:
-        handles = _handles()
-        self._parameters: list[Tensor] = []
-        positions: list[int] = []
-        for position, parameter in enumerate(parameters):
-            if _optimizers(parameter):
-                positions.append(position)
-                self._parameters.append(parameter)
-                for handle in handles.pop(parameter, []):
-                    handle.remove()
-        self.positions = tuple(positions)
-
-    def __call__(self) -> None:
-        handles = _handles()
-        for parameter in self._parameters:
-            accumulator = cast(Any, parameter.view_as(parameter).grad_fn).next_functions[0][0]
-            handle = accumulator.register_hook(_OptimizerHook(parameter))
-            handles.setdefault(parameter, []).append(cast(RemovableHandle, handle))
-
-
-class _OptimizerHook:
-    """torch's in-backward hook: step the parameter's optimizers, then clear its ``.grad``."""
-
-    def __init__(self, parameter: Tensor) -> None:
-        self._parameter = parameter
-
-    def __call__(self, *unused: object) -> None:
-        step([self._parameter])
+def take_over(parameters: Sequence[Tensor]) -> tuple[int, ...]:
+    """Remove torch's in-backward hooks of ``parameters``: the positions of those with any."""
+    handles = _handles()
+    positions: list[int] = []
+    for position, parameter in enumerate(parameters):
+        if _optimizers(parameter):
+            positions.append(position)
+            for handle in handles.pop(parameter, []):
+                handle.remove()
+    return tuple(positions)
 
 
 def step(parameters: Sequence[Tensor]) -> None:

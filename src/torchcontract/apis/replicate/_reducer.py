@@ -85,6 +85,7 @@ from ._buckets import assign_buckets_as_ddp
 from ._comm_hook import Bucket, CommHook, hook_result
 from ._ignored import kept_buffers
 from ._in_backward import step as step_in_backward
+from ._in_backward import take_over as take_over_in_backward
 from ._rebuild import first_limits, first_ranks_buckets, limits
 from ._state import ReplicateState
 from ._unused import (
@@ -200,6 +201,13 @@ class Reducer:
         # reaches its outputs or accumulates a gradient synchronizes.
         self._forwards = 0
         self._expecting: int | None = None
+        # Forwards up to this number have had their synchronizing backward (a later one
+        # of theirs is local); the one whose armed output began the backward running.
+        self._synced_through = self._synced_before = 0
+        self._begun_by: int | None = None
+        # The last synchronizing backward through a forward's outputs accumulated nothing
+        # (torch.autograd.grad): that forward's backward is still expected.
+        self._empty_backward = False
         # DDP's require_forward_param_sync: buffers are broadcast before a forward
         # that follows a synchronizing one (and before the first).
         self.sync_buffers_next_forward = True
@@ -209,8 +217,9 @@ class Reducer:
         #: on an accumulator nobody holds would be lost with it (DDP keeps them too).
         self.accumulators: list[tuple[object, RemovableHandle]] = []
         #: The positions of parameters with optimizers applied in backward (``_in_backward``),
-        #: set once apply has taken them over.
+        #: taken over at the first forward, as DDP's lazy init takes them.
         self.in_backward: tuple[int, ...] = ()
+        self.took_over_in_backward = False
         #: DDP's parameters and buffers to ignore (``_ignored``): never broadcast.
         self.ignored = ignored
         self.has_buffers = bool(kept_buffers(module, ignored))
@@ -331,6 +340,14 @@ class Reducer:
             self.unfinished = unfinished_backward_error(self.where)
         if self.unfinished is not None:
             raise self.unfinished
+        if self._task not in (-1, _torch.current_graph_task_id()):
+            self._reset_backward()  # raised before any gradient arrived: no trace
+        if self._empty_backward and self._expecting is not None and not self._tracks_used:
+            # Only backwards that accumulate nothing went through the last forward's
+            # outputs (torch.autograd.grad, a zero-bubble schedule): DDP's error, explained.
+            self.unfinished = unused_error(self._names, [False] * len(self._names), self.where)
+            if self.unfinished is not None:
+                raise self.unfinished
 
     def _failed_midway(self) -> bool:
         """Whether a synchronizing backward raised after its gradients began to arrive.
@@ -357,7 +374,10 @@ class Reducer:
         return self._forwards
 
     def forget_expected_backward(self) -> None:
-        """A rank-local forward: no backward synchronizes until the next synchronizing one."""
+        """A rank-local forward with grad: its backward, which accumulates, must not synchronize.
+
+        An earlier forward's outputs still synchronize their own backward.
+        """
         self._expecting = None
 
     def begin(self, forward: int | None = None) -> None:
@@ -375,9 +395,11 @@ class Reducer:
             # midway, or else start afresh, once the collectives it launched have ended.
             self.check_finished()
             self._reset_backward()
-        if self._expecting is None or forward not in (None, self._expecting):
-            return  # a later forward's, or its backward already synchronized: local
+        if (self._expecting is None) if forward is None else (forward <= self._synced_through):
+            return  # no forward expects one, or its backward already synchronized: local
         self._expecting = None
+        self._begun_by = forward
+        self._synced_before, self._synced_through = self._synced_through, self._forwards
         self._task = task
         _torch.queue_callback(self._finish)
         if self._settled is not None:
@@ -546,6 +568,15 @@ class Reducer:
 
     def _finish(self) -> None:
         """Run by the autograd engine at the end of a synchronizing backward."""
+        if self._begun_by is not None and not self._static_graph and not any(self._hooks):
+            # Through the outputs, but nothing accumulated (torch.autograd.grad, a gradient
+            # penalty's first half): not the synchronizing one, as DDP's reducer, which
+            # gradients alone start, sees it. The forward's backward is still expected.
+            self._expecting, self._synced_through = self._begun_by, self._synced_before
+            self._empty_backward = True
+            self._reset_backward()
+            return
+        self._empty_backward = False
         try:
             self.unfinished = self._unused_error()
             if self.unfinished is not None:
@@ -571,7 +602,7 @@ class Reducer:
             for position, averages in results:
                 self._write_back(position, averages, used)
             if self.in_backward:
-                step_in_backward([self._parameter(index) for index in self.in_backward])
+                self._step_in_backward()
             if self._arrival is not None:
                 self._arrived_in_order(self._arrival)
         finally:
@@ -580,6 +611,22 @@ class Reducer:
         module = self._module()
         if module is not None:
             self._on_synchronized(module)
+
+    def take_over_in_backward(self) -> None:
+        """DDP's ``_setup_in_backward_optimizers``: the in-backward optimizers are ours now."""
+        self.took_over_in_backward = True
+        parameters = [self._parameter(index) for index in range(len(self._names))]
+        self.in_backward = take_over_in_backward(parameters)
+
+    def _step_in_backward(self) -> None:
+        """Step the optimizers applied in backward, as DDP's hook: a parameter no rank used
+        steps on its bucket's zeros (unless its gradient is a bucket view, left None)."""
+        parameters = [self._parameter(index) for index in self.in_backward]
+        if not self.gradient_as_bucket_view:
+            for parameter in parameters:
+                if parameter.grad is None:
+                    parameter.grad = torch.zeros_like(parameter)
+        step_in_backward(parameters)
 
     def _wait_launched(self) -> list[tuple[int, Tensor]]:
         """Wait for every launched bucket, in order; each one's reduced flat buffer."""
@@ -653,11 +700,14 @@ class Reducer:
                 f"replicate on {module_label(module)}: register_comm_hook can only be called "
                 "once (as DistributedDataParallel's); register one hook that does both"
             )
-        if self._task != -1:
+        if self._task != -1 and self._task == _torch.current_graph_task_id():
             raise ContractError(
                 f"replicate on {module_label(module)}: register_comm_hook during a backward; "
                 "register it between backwards (before training, or after a step)"
             )
+        if self.unfinished is None and self._failed_midway():
+            # A backward that raised midway stays DDP's error at the next forward.
+            self.unfinished = unfinished_backward_error(self.where)
         self._comm_hook = (state, hook)
         self._set_buckets(self._buckets)
 
