@@ -3,9 +3,11 @@
 Semantics are those of ``DistributedDataParallel``, keyword for keyword:
 
 * Which backward synchronizes is DDP's: after a forward of the replicated module
-  with grad enabled and ``sync_gradients`` on, the first backward that reaches the
-  tensors of its output that require grad (armed, found wherever DDP finds them) or
-  accumulates a parameter's gradient (``ready``), once. Any other backward (after
+  with grad enabled and ``sync_gradients`` on, the first backward that accumulates a
+  parameter's gradient, once. It begins where it reaches the tensors of that forward's
+  output that require grad (armed, found wherever DDP finds them) or at its first
+  gradient (``ready``); one through the outputs that accumulates nothing
+  (``torch.autograd.grad``) turns out not to be it, and the forward still expects one. Any other backward (after
   that one until the next such forward, or of a ``rank_local`` forward) only
   accumulates locally and issues no collective, so it cannot hang. A ``no_sync``
   forward leaves an earlier forward's backward expected, as DDP's does.
