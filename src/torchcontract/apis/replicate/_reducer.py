@@ -7,9 +7,10 @@ Semantics are those of ``DistributedDataParallel``, keyword for keyword:
   parameter's gradient, once. It begins where it reaches the tensors of that forward's
   output that require grad (armed, found wherever DDP finds them) or at its first
   gradient (``ready``); one through the outputs that accumulates nothing
-  (``torch.autograd.grad``) turns out not to be it, and the forward still expects one. Any other backward (after
-  that one until the next such forward, or of a ``rank_local`` forward) only
-  accumulates locally and issues no collective, so it cannot hang. A ``no_sync``
+  (``torch.autograd.grad``) turns out not to be it, and the forward still expects one.
+  Any other backward (after that one until the next such forward, or of a
+  ``rank_local`` forward) only accumulates locally and issues no collective, so it
+  cannot hang. A ``no_sync``
   forward leaves an earlier forward's backward expected, as DDP's does.
 * With ``find_unused_parameters`` (or ``static_graph``), a parameter counts as
   used if its gradient was accumulated in any backward since the last
