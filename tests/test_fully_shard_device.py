@@ -11,6 +11,7 @@ under the ``gpu`` marker (``distributed/test_cuda_parity.py``).
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 
 import pytest
@@ -89,8 +90,14 @@ def _namer(model: nn.Module) -> Callable[[list[Tensor]], list[str]]:
 
 def _fsdp2_would_move(model: nn.Module, ignored: set[nn.Parameter]) -> list[str]:
     """What FSDP2's apply to ``model`` moves, by its own selection functions."""
-    modules = fsdp_init._get_managed_modules((model,), ignored)
-    parameters, buffers = fsdp_init._get_managed_states(modules, ignored)
+    if "ignored_params" in inspect.signature(fsdp_init._get_managed_modules).parameters:
+        modules = fsdp_init._get_managed_modules((model,), ignored)
+        parameters, buffers = fsdp_init._get_managed_states(modules, ignored)
+    else:  # a release before ignored_params: the same walk, the ignored left out after
+        modules = fsdp_init._get_managed_modules((model,))
+        parameters, buffers = fsdp_init._get_managed_states(modules)
+        left_out = {id(parameter) for parameter in ignored}
+        parameters = [parameter for parameter in parameters if id(parameter) not in left_out]
     return _namer(model)([*parameters, *buffers])
 
 

@@ -27,6 +27,7 @@ from fully_shard_models import (
     largest_gap,
     loss_on,
     needs_reference_fully_shard,
+    sharded_gpt,
 )
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -44,21 +45,12 @@ APPLIES: Final[dict[str, Apply]] = {"ours": fully_shard, "FSDP2": torch_fully_sh
 STEPS: Final = 2
 
 
-def _sharded(apply: Apply, mesh: DeviceMesh) -> GPT:
-    torch.manual_seed(0)
-    model = GPT(blocks=2)
-    for block in model.blocks:
-        apply(block, mesh=mesh)
-    apply(model, mesh=mesh)
-    return model
-
-
 def _optimizer_in_backward(rank: int, mesh: DeviceMesh) -> Results:
     """SGD stepped by a post-accumulate-grad hook on each shard: hooks run, parameters move."""
     found: Results = {}
     models = []
     for name, apply in APPLIES.items():
-        model = _sharded(apply, mesh)
+        model = sharded_gpt(apply, mesh)
         calls = [0]
 
         def step(parameter: Tensor, calls: list[int] = calls) -> None:

@@ -39,6 +39,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any, Final, cast
@@ -55,6 +56,10 @@ from torchcontract.apis import _torch, rank_local, replicate
 from torchcontract.testing import run_distributed
 
 Results = dict[str, Any]
+#: Whether this torch's DDP keeps its buffers' versions through its broadcast (newer ones).
+DDP_KEEPS_BUFFER_VERSIONS: Final = "_unsafe_preserve_version_counter" in inspect.getsource(
+    DistributedDataParallel._sync_buffers
+)
 apply_in_backward: Final = cast(
     Callable[[type[torch.optim.Optimizer], Any, dict[str, Any]], None],
     _apply_optimizer_in_backward,
@@ -97,11 +102,16 @@ def _both(
     ours: Wrap,
     theirs: Wrap,
     step: Callable[[nn.Module, int], Tensor],
-) -> bool:
-    """Whether replicate (``ours``) and DDP (``theirs``) leave the same numbers, exactly."""
+) -> bool | str:
+    """Whether replicate (``ours``) and DDP (``theirs``) leave the same numbers, exactly;
+    where this torch's DDP raises instead (ours must not), what it raised."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DDP's and torch's own deprecation warnings
-        return _trained(build, ours, step) == _trained(build, theirs, step)
+        mine = _trained(build, ours, step)
+        try:
+            return mine == _trained(build, theirs, step)
+        except RuntimeError as error:
+            return f"DDP raised: {str(error).split(':')[0]}"
 
 
 def _norm_net() -> nn.Module:
@@ -512,7 +522,13 @@ def ranks() -> list[Results]:
     ],
 )
 def test_the_numbers_are_ddps(ranks: list[Results], pattern: str) -> None:
-    assert [rank[pattern] for rank in ranks] == [True, True]
+    outcome = [rank[pattern] for rank in ranks]
+    if pattern == "two_views" and not DDP_KEEPS_BUFFER_VERSIONS:
+        # Older DDPs bump the buffers' versions and fail that backward; ours trains.
+        expected = "DDP raised: one of the variables needed for gradient computation has been "
+        assert outcome == [expected + "modified by an inplace operation"] * 2
+        return
+    assert outcome == [True, True]
 
 
 def test_optimizers_applied_in_backward_step_on_the_averaged_gradients(
