@@ -251,16 +251,18 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
     Mutant(
         "replicate_no_reset_after_failed_backward",
         "apis/replicate/_reducer.py",
-        "            self.check_finished()\n            self._reset_backward()\n",
-        "            self.check_finished()\n",
-        (REPLICATE_BUCKETS,),
+        "            self._reset_backward()  # raised before any gradient arrived: no trace\n",
+        "            pass\n",
+        (REPLICATE_BUCKETS, FAILED_BACKWARD),
         "the reducer is not reset after a synchronizing backward that failed harmlessly",
     ),
     Mutant(
         "replicate_trains_on_after_failed_backward",
         "apis/replicate/_reducer.py",
-        "        if self.unfinished is None and self._failed_midway():",
-        "        if False:",
+        "        if self.unfinished is None and self._failed_midway():\n"
+        "            self.unfinished = unfinished_backward_error(self.where)\n"
+        "        if self.unfinished is not None:\n            raise self.unfinished\n",
+        "        if self.unfinished is not None:\n            raise self.unfinished\n",
         (REAL_USE, FAILED_BACKWARD),
         "a forward after a backward that raised midway does not raise",
     ),
@@ -275,9 +277,8 @@ MUTANTS: Final[tuple[Mutant, ...]] = (
     Mutant(
         "replicate_rank_local_broadcasts",
         "apis/replicate/_forward.py",
-        "    if record.rank_local:\n        return\n    if torch.is_grad_enabled():\n"
-        "        # DDP's check",
-        "    if torch.is_grad_enabled():\n        # DDP's check",
+        "    if record.rank_local:\n        return\n    if not reducer.took_over_in_backward:",
+        "    if not reducer.took_over_in_backward:",
         (COLLECTIVES,),
         "a rank-local forward broadcasts buffers (and hangs when the other rank waits)",
     ),

@@ -397,7 +397,6 @@ class Reducer:
             # A synchronizing backward raised before its end: DDP's error if it raised
             # midway, or else start afresh, once the collectives it launched have ended.
             self.check_finished()
-            self._reset_backward()
         if (self._expecting is None) if forward is None else (forward <= self._synced_through):
             return  # no forward expects one, or its backward already synchronized: local
         self._expecting = None
