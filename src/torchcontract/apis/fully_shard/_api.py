@@ -16,7 +16,7 @@ from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypeVar, cast, overload
 
 import attrs
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     MixedPrecisionPolicy,
@@ -49,7 +49,7 @@ from ._arguments import (
     post_forward_size_of,
     read_resharding,
 )
-from ._device import managed_buffers, mesh_device, move_to
+from ._device import mesh_device, move_to
 from ._group import ALL_GROUPS, ParamGroup
 from ._hooks import ForwardHooks
 from ._layout import check_post_forward
@@ -279,7 +279,8 @@ def fully_shard(
     check_offload(targets[0], offload_policy, mesh)
     resharding = read_resharding(targets[0], reshard_after_forward, mesh)
     ignored: list[str] = []
-    found = find_parameters(targets, {id(p) for p in ignored_params or ()}, ignored)
+    buffers: list[Tensor] = []
+    found = find_parameters(targets, {id(p) for p in ignored_params or ()}, ignored, buffers)
     layouts = layouts_of(targets[0], found, mesh, shard_placement_fn, spmd)
     post_forward_size = post_forward_size_of(reshard_after_forward, mesh)
     post_forward = None
@@ -287,11 +288,7 @@ def fully_shard(
         check_post_forward(targets[0], zip(found, layouts, strict=True), post_forward_size)
         post_forward = post_forward_mesh(post_forward_size, mesh)
     # FSDP2's move onto the mesh's device, before sharding; undone on rollback.
-    moved = move_to(
-        mesh_device(mesh),
-        (item.parameter for item in found),
-        managed_buffers(targets, fully_shard.is_applied),
-    )
+    moved = move_to(mesh_device(mesh), (item.parameter for item in found), buffers)
     if moved:
         on_rollback(moved)
     parameters = [

@@ -2,8 +2,9 @@
 
 FSDP2 moves what it manages to the device of its mesh before sharding: a model built
 on the CPU and sharded over a CUDA mesh trains on the GPU. So does ``fully_shard``:
-the parameters it shards and the buffers of the modules it manages (those under the
-targets, short of modules a nested application manages), each moved in place (the
+the parameters it shards and the buffers of the modules it manages (those
+``find_parameters`` walks: under the targets, short of modules a nested application
+targets), each moved in place (the
 same tensor object, its data on the device), tensors on the meta device left for
 deferred initialization, ``DTensor`` parameters (tensor parallelism's) left on theirs.
 The move is undone if the apply rolls back.
@@ -11,7 +12,7 @@ The move is undone if the apply rolls back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from itertools import chain
 
 import torch
@@ -21,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import _torch
 
-__all__ = ["Moved", "managed_buffers", "mesh_device", "move_to"]
+__all__ = ["Moved", "mesh_device", "move_to"]
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -30,30 +31,6 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
         return torch.device("cpu")
     module = torch.get_device_module(mesh.device_type)
     return torch.device(mesh.device_type, module.current_device())
-
-
-def managed_buffers(
-    targets: Sequence[nn.Module], nested: Callable[[nn.Module], bool]
-) -> list[Tensor]:
-    """The buffers of the modules under ``targets`` that no ``nested`` application manages.
-
-    FSDP2's managed modules: every module reached from the targets, each once, without
-    entering a module (other than a target) for which ``nested`` holds. Each buffer once.
-    """
-    buffers: dict[int, Tensor] = {}
-    visited: set[int] = set()
-    ours = {id(target) for target in targets}
-    stack = list(reversed(targets))
-    while stack:
-        module = stack.pop()
-        if id(module) in visited or (id(module) not in ours and nested(module)):
-            continue
-        visited.add(id(module))
-        for buffer in module._buffers.values():
-            if buffer is not None:
-                buffers.setdefault(id(buffer), buffer)
-        stack.extend(child for child in reversed(module._modules.values()) if child is not None)
-    return list(buffers.values())
 
 
 def _copy_to(tensor: Tensor, device: torch.device) -> Tensor:

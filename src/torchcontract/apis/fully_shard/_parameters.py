@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable, Sequence, Set
 
 import attrs
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchcontract import AlreadyManagedError, ScalarParameterError, module_label, named_tree
@@ -38,7 +38,7 @@ class Found:
 
 
 def find_parameters(
-    targets: Sequence[nn.Module], ignored: Set[int], skipped: list[str]
+    targets: Sequence[nn.Module], ignored: Set[int], skipped: list[str], buffers: list[Tensor]
 ) -> list[Found]:
     """The parameters under ``targets``, short of nested applications' modules, validated.
 
@@ -52,15 +52,18 @@ def find_parameters(
     parameter registered where another application's modules do not reach (shared
     with them) is sharded again, as FSDP2 does, under the same origin: the first
     forward refuses it (``check_shared``). Parameters whose ids are in ``ignored``
-    are left out, their first FQNs appended to ``skipped``. Reads only: nothing is
-    changed. One index lookup per parameter, and error text only for an error: the
-    cost is linear in the targets' modules and parameters, whatever else is sharded.
+    are left out, their first FQNs appended to ``skipped``. The buffers of the
+    modules walked (FSDP2's managed modules) are appended to ``buffers``, each once.
+    Reads only: nothing is changed. One index lookup per parameter, and error text
+    only for an error: the cost is linear in the targets' modules and parameters,
+    whatever else is sharded.
     """
     inside: set[int] | None = None  # ids of the targets' modules, once a managed one is found
     shared: dict[int, ParamGroup] = {}  # originals another application also shards, by id
     nested: dict[int, bool] = {}  # by group id: whether one of its modules is inside
     found: dict[int, Found] = {}
     seen_ignored: set[int] = set()
+    seen_buffers: set[int] = set()
     own = {id(target) for target in targets}
     for target in targets:
         skipped_below: str | None = None  # the FQN prefix of a nested application's modules
@@ -71,6 +74,10 @@ def find_parameters(
             if id(module) not in own and MANAGED.group_of(module) is not None:
                 skipped_below = prefix + "."
                 continue
+            for buffer in module._buffers.values():
+                if buffer is not None and id(buffer) not in seen_buffers:
+                    seen_buffers.add(id(buffer))
+                    buffers.append(buffer)
             for name, parameter in module._parameters.items():
                 if parameter is None:
                     continue
