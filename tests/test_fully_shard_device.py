@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable
+from typing import Any, cast
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ import torch.distributed.fsdp._fully_shard._fsdp_init as fsdp_init
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.testing._internal.two_tensor import TwoTensor
 
 from torchcontract import contract
 from torchcontract.apis import fully_shard
@@ -171,3 +173,27 @@ def test_tensors_on_the_meta_device_stay_there(mesh: DeviceMesh, moved: list[Ten
     fully_shard(model, mesh=mesh)
     assert moved == []
     assert all(buffer.is_meta for buffer in model.buffers())
+
+
+def _first_of(two: Tensor) -> Tensor:
+    """A ``TwoTensor``'s first inner tensor."""
+    first: Tensor = cast(Any, two).a
+    return first
+
+
+def test_a_wrapper_subclass_is_swapped_in_place_and_back(moved: list[Tensor]) -> None:
+    """Its data cannot be set: its contents are swapped, as FSDP2 does, the same objects
+    kept (a parameter stays one, frozen or not), and swapped back on rollback."""
+    wrapper: Any = TwoTensor  # untyped in torch
+    frozen = nn.Parameter(wrapper(torch.ones(2), torch.ones(2)), requires_grad=False)
+    inner = _first_of(frozen).data_ptr()
+    plain = torch.zeros(3)
+    undo = _device.move_to(ACCELERATOR, [frozen], [plain])
+    assert moved == [frozen, plain]
+    assert isinstance(frozen, nn.Parameter)
+    assert isinstance(frozen, TwoTensor)
+    assert not frozen.requires_grad
+    assert _first_of(frozen).data_ptr() != inner  # the copy's contents
+    undo()
+    assert _first_of(frozen).data_ptr() == inner
+    assert torch.equal(_first_of(frozen), torch.ones(2))

@@ -15,11 +15,13 @@ from typing import Any, Final
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from torchcontract import UnfinishedBackwardError
 from torchcontract.apis import _torch, replicate
+from torchcontract.apis.replicate import ReplicateModule
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
 
@@ -198,3 +200,22 @@ def test_a_checkpoint_recomputing_the_module_inside_its_own_backward_is_no_failu
     assert isinstance(out, Tensor)
     with pytest.raises(RuntimeError, match=UNFINISHED):
         torch.autograd.backward(out.pow(2).sum())
+
+
+def test_a_comm_hook_registered_after_a_failed_backward_is_taken_as_ddp_takes_it() -> None:
+    """After one that raised before any gradient the module trains on with the hook; after
+    one that raised midway the hook is taken, and the next forward still raises."""
+    for where, trains in (("before any gradient", True), ("midway", False)):
+        layers = _layers()
+        model = replicate(layers, bucket_cap_mb=0.0001)
+        _fail_once_at(layers, FAILS_AT[where])
+        with pytest.raises(ValueError, match="planned failure"):
+            _step(model, 1)
+        assert isinstance(model, ReplicateModule)
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+        if trains:
+            _step(model, 2)
+            assert replicate.state(model).step == 1
+        else:
+            with pytest.raises(UnfinishedBackwardError):
+                _step(model, 2)

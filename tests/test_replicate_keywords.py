@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-from torchcontract import UnusedParameterError
+from torchcontract import InvalidTargetError, UnusedParameterError
 from torchcontract.apis import _compat, replicate
 from torchcontract.apis.replicate import ReplicateModule, manager_allreduce_hook
 
@@ -172,3 +172,18 @@ def test_the_manager_hook_averages_each_bucket_through_the_manager() -> None:
         assert ours.grad is not None
         assert theirs.grad is not None
         assert torch.equal(ours.grad, theirs.grad / 2)
+
+
+def test_ddps_list_of_names_to_ignore_must_be_a_collection_of_names() -> None:
+    model = nn.Linear(2, 2)
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["bias"])  # type: ignore[no-untyped-call]
+    replicate(model)  # the list DDP's own setter writes is taken
+    other = nn.Linear(2, 2)
+    other._ddp_params_and_buffers_to_ignore = "bias"  # type: ignore[assignment]
+    with pytest.raises(InvalidTargetError) as raised:
+        replicate(other)
+    assert str(raised.value) == (
+        "replicate on Linear: _ddp_params_and_buffers_to_ignore must be a collection of "
+        "parameter and buffer FQNs, got str; set it with "
+        "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model"
+    )

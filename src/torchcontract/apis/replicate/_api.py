@@ -457,14 +457,15 @@ def replicate(
     buffers = buffer_sync(module, broadcast_buffers, forward_sync_buffers)
     group = _group(module, _mesh_group(module, process_group, device_mesh))
     ignored = ignored_names(module)
-    named = [(name, p) for name, p in kept_parameters(module, ignored) if p.requires_grad]
+    kept = kept_parameters(module, ignored)
+    named = [(name, p) for name, p in kept if p.requires_grad]
     _require_trainable(module, named)
     placed = devices(module, [p for _, p in module.named_parameters()], device_ids, output_device)
     warn_check_reduction(module, check_reduction)
     if group.size() > 1 and init_sync:
         check_same_model(module, group, named[0][1].device, ignored)
         synced = [
-            *(p for _, p in kept_parameters(module, ignored)),
+            *(p for _, p in kept),
             *(kept_buffers(module, ignored) if buffers.at_apply else ()),
         ]
         broadcast_from_first_rank(synced, group)

@@ -15,7 +15,7 @@ from typing import cast
 
 from torch import Tensor, nn
 
-from torchcontract import module_label
+from torchcontract import InvalidTargetError, module_label
 
 __all__ = ["IGNORE_ATTRIBUTE", "ignored_names", "kept_buffers", "kept_parameters"]
 
@@ -27,7 +27,7 @@ def ignored_names(module: nn.Module) -> frozenset[str]:
     """The FQNs ``module`` asks data parallelism to ignore (none if it names none)."""
     names: object = module.__dict__.get(IGNORE_ATTRIBUTE, ())
     if isinstance(names, str) or not isinstance(names, Iterable):
-        raise TypeError(
+        raise InvalidTargetError(
             f"replicate on {module_label(module)}: {IGNORE_ATTRIBUTE} must be a collection of "
             f"parameter and buffer FQNs, got {type(names).__qualname__}; set it with "
             "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model"

@@ -10,8 +10,8 @@ Semantics are those of ``DistributedDataParallel``, keyword for keyword:
   (``torch.autograd.grad``) turns out not to be it, and the forward still expects one.
   Any other backward (after that one until the next such forward, or of a
   ``rank_local`` forward) only accumulates locally and issues no collective, so it
-  cannot hang. A ``no_sync``
-  forward leaves an earlier forward's backward expected, as DDP's does.
+  cannot hang. A ``no_sync`` forward leaves an earlier forward's backward expected,
+  as DDP's does.
 * With ``find_unused_parameters`` (or ``static_graph``), a parameter counts as
   used if its gradient was accumulated in any backward since the last
   synchronization (``no_sync`` steps included). At the end of a synchronizing
@@ -214,8 +214,6 @@ class Reducer:
         # DDP's require_forward_param_sync: buffers are broadcast before a forward
         # that follows a synchronizing one (and before the first).
         self.sync_buffers_next_forward = True
-        # As DDP: a module without buffers at apply never broadcasts any, and skips the
-        # walk over its tree that finds them on every forward.
         #: Each parameter's gradient accumulator and the handle of its hook, kept: a hook
         #: on an accumulator nobody holds would be lost with it (DDP keeps them too).
         self.accumulators: list[tuple[object, RemovableHandle]] = []
@@ -225,6 +223,8 @@ class Reducer:
         self.took_over_in_backward = False
         #: DDP's parameters and buffers to ignore (``_ignored``): never broadcast.
         self.ignored = ignored
+        # As DDP: a module without buffers at apply never broadcasts any, and skips the
+        # walk over its tree that finds them on every forward.
         self.has_buffers = bool(kept_buffers(module, ignored))
         # Whether a forward checked that torch's own APIs came not after ours (_forward).
         self.checked_torch_apis = False
