@@ -402,6 +402,27 @@ DIFFERENCES: Final = (
     ),
     Difference(
         "replicate",
+        "`find_unused_parameters=True`, a reentrant `checkpoint` inside the forward and an "
+        "output of the user's own class",
+        "averaged",
+        'raises "Expected to mark a variable ready only once"',
+        "Parameters are found used by the gradients they get, and a backward that begins "
+        "inside the checkpoint's nested one synchronizes on to the end of the backward around it.",
+        _DISTRIBUTED + "test_replicate_training_patterns_gloo.py"
+        "::test_ddp_refuses_a_reentrant_checkpoint_with_unused_parameters_found",
+    ),
+    Difference(
+        "replicate",
+        "`static_graph=True` and an output of the user's own class (no tensor a search finds)",
+        "averaged",
+        "averages nothing, silently: each rank steps on its own gradients",
+        "Its static graph's first backward sends everything from a hook on the outputs it "
+        "finds; ours starts from the first gradient, wherever the outputs hide their tensors.",
+        _DISTRIBUTED + "test_replicate_training_patterns_gloo.py"
+        "::test_ddps_static_graph_averages_no_output_of_the_users_own_class",
+    ),
+    Difference(
+        "replicate",
         "Sparse gradients",
         "refused at the synchronizing backward",
         "averaged",

@@ -5,6 +5,11 @@ parameter it runs after its direct use gets its second gradient after its bucket
 out, had the bucket been sent as soon as the direct one came: DDP raises there, and so
 does ``replicate`` (``LateGradientError``), rather than average a gradient without it.
 Used the other way round, the nested gradient comes first, and both average it.
+
+A backward whose first gradient arrives in the nested backward (the model's output is of
+the user's own class, so no output starts it) synchronizes on into the backward around
+the checkpoint, to its end: the layers before the checkpoint are averaged too, and a
+failure there leaves the backward unfinished, as DDP's.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from torchcontract import GraphChangedError, LateGradientError
+from torchcontract import GraphChangedError, LateGradientError, UnfinishedBackwardError
 from torchcontract.apis import replicate
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
@@ -122,3 +127,88 @@ def test_a_static_graph_that_runs_a_parameter_more_often_than_at_first_raises_dd
         "replicate on Reused: parameter 'shared.bias' got more gradients in this "
         "synchronizing backward than the 1 of the first; " in str(ours)
     )
+
+
+class Boxed:
+    """An output of the user's own class: no search for tensors looks inside it."""
+
+    def __init__(self, value: Tensor) -> None:
+        self.value = value
+
+
+class FirstThenCheckpointed(nn.Module):
+    """A layer, then a block in a reentrant checkpoint; the output in a ``Boxed``.
+
+    Its first gradient arrives in the checkpoint's nested backward; the layer's, after
+    that backward ended, in the one around it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+        self.fail_first = False  # raise where the layer's gradient arrives, once
+
+    def forward(self, x: Tensor) -> Boxed:
+        h = self.first(x)
+        if self.fail_first:
+            self.fail_first = False
+            h.register_hook(_fail)
+        return Boxed(_checkpointed(self.block, h))
+
+
+def _fail(grad: Tensor) -> Tensor:
+    raise ValueError("planned failure")
+
+
+def _boxed_step(model: nn.Module) -> None:
+    out = model(torch.ones(2, 4))
+    assert isinstance(out, Boxed)
+    torch.autograd.backward(out.value.sum())
+
+
+def test_a_backward_begun_inside_a_reentrant_checkpoint_synchronizes_to_its_end() -> None:
+    """The layer before the checkpoint is in the average: the next steps run, as DDP's.
+
+    (With ``find_unused_parameters``, where DDP raises, ours averages the same: on two
+    ranks in ``distributed/test_replicate_training_patterns_gloo.py``.)
+    """
+    torch.manual_seed(0)
+    plain = FirstThenCheckpointed()
+    _boxed_step(plain)
+    torch.manual_seed(0)
+    raw = FirstThenCheckpointed()
+    model = replicate(raw, bucket_cap_mb=CAP_MB)
+    for _ in range(3):
+        raw.zero_grad()
+        _boxed_step(model)
+        for mine, expected in zip(raw.parameters(), plain.parameters(), strict=True):
+            assert mine.grad is not None
+            assert expected.grad is not None
+            assert torch.equal(mine.grad, expected.grad)
+
+
+def test_a_backward_that_raises_after_its_checkpoint_sent_gradients_is_unfinished() -> None:
+    """As DDP: buckets went out in the nested backward, so the next forward raises."""
+    errors: list[BaseException] = []
+    for theirs in (False, True):
+        torch.manual_seed(0)
+        raw = FirstThenCheckpointed()
+        model: nn.Module = (
+            DistributedDataParallel(raw, bucket_cap_mb=CAP_MB)
+            if theirs
+            else replicate(raw, bucket_cap_mb=CAP_MB)
+        )
+        raw.fail_first = True
+        with pytest.raises(ValueError, match="planned failure"):
+            _boxed_step(model)
+        with pytest.raises(RuntimeError) as raised:
+            _boxed_step(model)
+        errors.append(raised.value)
+    ours, theirs_error = errors
+    sentence = (
+        "Expected to have finished reduction in the prior iteration before starting a new one"
+    )
+    assert str(theirs_error).startswith(sentence)
+    assert isinstance(ours, UnfinishedBackwardError)
+    assert str(ours).startswith(sentence)

@@ -31,6 +31,13 @@
   a parameter used outside the forward included.
 - ``channels_last`` weights under PowerSGD: a hook's ``bucket.gradients()`` are
   contiguous views of the buffer, as ``GradBucket``'s.
+- An output of the user's own class from a model that runs a block in a reentrant
+  checkpoint after a layer of its own: the first gradient arrives in the checkpoint's
+  nested backward, and the synchronization goes on into the backward around it, so the
+  layer's gradient is averaged too, as under DDP; with ``find_unused_parameters`` (where
+  DDP raises "Expected to mark a variable ready only once") ours averages the same.
+- An output of the user's own class with ``static_graph``: ours averages; DDP's static
+  graph averages nothing, silently (a difference row).
 - Under ``Join`` with ``find_unused_parameters``: a joined rank sends back the map of
   used parameters it last all-reduced, as DDP's, so a parameter some rank used before
   it joined gets averaged zeros where no active rank uses it (momentum moves it on).
@@ -51,6 +58,7 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.distributed.optim.apply_optimizer_in_backward import _apply_optimizer_in_backward
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from torchcontract.apis import _torch, rank_local, replicate
 from torchcontract.testing import run_distributed
@@ -204,6 +212,17 @@ class Boxing(nn.Module):
 
     def forward(self, x: Tensor) -> Boxed:
         return Boxed(self.layers(x))
+
+
+class CheckpointedBoxing(Boxing):
+    """``Boxing`` after a layer of its own, its layers in a reentrant checkpoint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Boxed:
+        return Boxed(cast(Tensor, checkpoint(self.layers, self.first(x), use_reentrant=True)))
 
 
 def _boxed(rank: int) -> Callable[[nn.Module, int], Tensor]:
@@ -452,6 +471,10 @@ def _unused_found(wrap: Callable[..., nn.Module]) -> Wrap:
     return lambda module: wrap(module, find_unused_parameters=True)
 
 
+def _static(wrap: Callable[..., nn.Module]) -> Wrap:
+    return lambda module: wrap(module, static_graph=True)
+
+
 def _job(rank: int, world_size: int) -> Results:
     ddp: Wrap = DistributedDataParallel
     ours: Wrap = replicate
@@ -466,6 +489,17 @@ def _job(rank: int, world_size: int) -> Results:
         ),
         "ignored": _both(_ignoring(rank), ours, ddp, _plain(rank)),
         "boxed_output": _both(Boxing, ours, ddp, _boxed(rank)),
+        "boxed_output_reentrant": _both(CheckpointedBoxing, ours, ddp, _boxed(rank)),
+        # Every parameter is used: DDP's averages without the keyword are the reference.
+        "boxed_output_reentrant_unused_found": _both(
+            CheckpointedBoxing, _unused_found(replicate), ddp, _boxed(rank)
+        ),
+        "boxed_output_reentrant_ddp_unused_found": _both(
+            CheckpointedBoxing, ddp, _unused_found(ddp), _boxed(rank)
+        ),
+        # DDP's own static graph averages nothing there: its plain averages are the reference.
+        "boxed_output_static": _both(Boxing, _static(replicate), ddp, _boxed(rank)),
+        "boxed_output_ddp_static": _both(Boxing, ddp, _static(ddp), _boxed(rank)),
         "outside_forward": _both(Clip, ours, ddp, _contrastive(rank)),
         "penalty_first": _both(_mlp, ours, ddp, _penalty_first(rank)),
         "evaluated_then_accumulated": _both(_mlp, ours, ddp, _evaluated_then_accumulated(rank)),
@@ -509,6 +543,9 @@ def ranks() -> list[Results]:
         "fp16_power_sgd",
         "ignored",
         "boxed_output",
+        "boxed_output_reentrant",
+        "boxed_output_reentrant_unused_found",
+        "boxed_output_static",
         "outside_forward",
         "penalty_first",
         "evaluated_then_accumulated",
@@ -535,6 +572,32 @@ def test_optimizers_applied_in_backward_step_on_the_averaged_gradients(
     ranks: list[Results],
 ) -> None:
     assert [rank["in_backward"] for rank in ranks] == [[(True, True)] * 2] * 2
+
+
+def test_ddp_refuses_a_reentrant_checkpoint_with_unused_parameters_found(
+    ranks: list[Results],
+) -> None:
+    """Where ours averages with ``find_unused_parameters`` (above), DDP raises."""
+    outcome = [rank["boxed_output_reentrant_ddp_unused_found"] for rank in ranks]
+    assert (
+        outcome
+        == [
+            "DDP raised: Expected to mark a variable ready only once. This error is "
+            "caused by one of the following reasons"
+        ]
+        * 2
+    )
+
+
+def test_ddps_static_graph_averages_no_output_of_the_users_own_class(
+    ranks: list[Results],
+) -> None:
+    """Where ours averages with ``static_graph`` (above), DDP's numbers are each rank's own.
+
+    Its static graph's first backward sends everything from a hook on the outputs it
+    finds, and later ones count on that one: with none found, nothing is averaged, silently.
+    """
+    assert [rank["boxed_output_ddp_static"] for rank in ranks] == [False, False]
 
 
 def test_what_ddp_is_told_to_ignore_stays_each_ranks_own(ranks: list[Results]) -> None:

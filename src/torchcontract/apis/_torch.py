@@ -64,6 +64,7 @@ __all__ = [
     "register_post_accumulate_grad_hook",
     "register_state_dict_pre_hook",
     "register_tensor_hook",
+    "resume_in_enclosing_backward",
     "set_device_states",
     "swap_tensors",
     "to_bools",
@@ -330,6 +331,28 @@ _queue_callback: Final = cast(
 def queue_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the backward pass running in this thread ends."""
     _queue_callback(callback)
+
+
+def resume_in_enclosing_backward(callback: Callable[[], None]) -> RemovableHandle | None:
+    """From a callback ``queue_callback`` queued: go on in the backward this one is nested in.
+
+    A backward run inside a node of another backward (a reentrant checkpoint's recompute,
+    an ``autograd.Function`` whose backward calls ``backward``) ends before the node
+    returns; the backward around it goes on. If the one ending is such a nested backward,
+    ``callback`` runs once that node has run, in the enclosing backward (where it can queue
+    a callback of its own), and the handle to remove its hook is returned. At the end of
+    the outermost backward, None: nothing is registered.
+    """
+    # At a nested backward's end its own nodes have all run: the node being evaluated
+    # is then the enclosing backward's, the one that started it (None outside any).
+    node = cast("torch.autograd.graph.Node | None", torch._C._current_autograd_node())
+    if node is None:
+        return None
+
+    def after_node(grad_inputs: object, grad_outputs: object) -> None:
+        callback()
+
+    return node.register_hook(after_node)
 
 
 def register_accumulator_hook(

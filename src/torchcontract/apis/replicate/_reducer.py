@@ -199,6 +199,9 @@ class Reducer:
         # later forward with grad enabled raises, as DDP's.
         self.unfinished: ContractError | None = None
         self._task = -1  # the autograd graph task that synchronizes, or -1
+        # Hooks on the nodes that ran a nested backward which began synchronizing: each
+        # carries the synchronization on into the backward around it (``_finish``).
+        self._resumes: list[RemovableHandle] = []
         # The last synchronizing forward, by number, while no backward synchronized for it
         # (None once one began): as DDP's expect_autograd_hooks_, the next backward that
         # reaches its outputs or accumulates a gradient synchronizes.
@@ -307,6 +310,9 @@ class Reducer:
             with contextlib.suppress(RuntimeError):
                 work.wait()
         self._task = -1
+        for handle in self._resumes:
+            handle.remove()
+        self._resumes = []
         self._waiting = list(self._due)
         # Per parameter, how often its gradient was accumulated in the synchronizing
         # backward running, nested backwards (a reentrant checkpoint's) included.
@@ -570,6 +576,13 @@ class Reducer:
 
     def _finish(self) -> None:
         """Run by the autograd engine at the end of a synchronizing backward."""
+        resume = _torch.resume_in_enclosing_backward(self._resume)
+        if resume is not None:
+            # It began in a nested backward (a reentrant checkpoint's recompute, where
+            # the first gradient of an output no search found arrives): the backward
+            # around it, whose gradients are still to come, is the one to synchronize.
+            self._resumes.append(resume)
+            return
         if self._begun_by is not None and not self._static_graph and not any(self._hooks):
             # Through the outputs, but nothing accumulated (torch.autograd.grad, a gradient
             # penalty's first half): not the synchronizing one, as DDP's reducer, which
@@ -613,6 +626,11 @@ class Reducer:
         module = self._module()
         if module is not None:
             self._on_synchronized(module)
+
+    def _resume(self) -> None:
+        """In the backward around a nested one that began synchronizing: go on to its end."""
+        self._task = _torch.current_graph_task_id()
+        _torch.queue_callback(self._finish)
 
     def take_over_in_backward(self) -> None:
         """DDP's ``_setup_in_backward_optimizers``: the in-backward optimizers are ours now."""
