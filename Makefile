@@ -12,7 +12,9 @@ PYTHON ?= python3
 help:  ## list the targets
 	@awk -F':.*## ' '/^[a-z][a-z-]*:.*## / { printf "  make %-12s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
 
-$(BIN)/.installed: pyproject.toml requirements-dev.txt requirements-torchft.txt
+# The C walk is built by the editable install: a change to its source installs again.
+$(BIN)/.installed: pyproject.toml requirements-dev.txt requirements-torchft.txt \
+		src/torchcontract/_walk_native.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements-dev.txt \
 		-r requirements-torchft.txt

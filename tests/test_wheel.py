@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import sysconfig
 import tarfile
 import textwrap
 import zipfile
@@ -82,7 +83,9 @@ def test_built_wheel_runs_the_tour_and_type_checks_in_a_fresh_environment(
     source.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md", "MANIFEST.in"):
         shutil.copy(ROOT / name, source / name)
-    shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("*.egg-info"))
+    shutil.copytree(
+        ROOT / "src", source / "src", ignore=shutil.ignore_patterns("*.egg-info", "*.so")
+    )
     dist = tmp_path / "dist"
     _run(
         sys.executable,
@@ -103,11 +106,21 @@ def test_built_wheel_runs_the_tour_and_type_checks_in_a_fresh_environment(
     with zipfile.ZipFile(wheel) as archive:
         licensed = archive.read(f"torchcontract-{version}.dist-info/licenses/LICENSE")
         metadata = archive.read(f"torchcontract-{version}.dist-info/METADATA").decode()
+        members = archive.namelist()
+    # The C walk, built for this interpreter, and its stub for type checkers.
+    assert [name for name in members if name.startswith("torchcontract/_walk_native")] == [
+        f"torchcontract/_walk_native{sysconfig.get_config_var('EXT_SUFFIX')}",
+        "torchcontract/_walk_native.pyi",
+    ]
     assert licensed.decode() == license_text
     assert "License-Expression: BSD-3-Clause" in metadata
     with tarfile.open(sdist) as archive:
         names = set(archive.getnames())
-    assert {f"torchcontract-{version}/LICENSE", f"torchcontract-{version}/CHANGELOG.md"} <= names
+    assert {
+        f"torchcontract-{version}/LICENSE",
+        f"torchcontract-{version}/CHANGELOG.md",
+        f"torchcontract-{version}/src/torchcontract/_walk_native.c",
+    } <= names
     venv = tmp_path / "venv"
     _run(sys.executable, "-m", "venv", venv, cwd=tmp_path)
     python = venv / "bin" / "python"
@@ -128,6 +141,8 @@ def test_built_wheel_runs_the_tour_and_type_checks_in_a_fresh_environment(
     work.mkdir()
     located = _run(python, "-c", "import torchcontract; print(torchcontract.__file__)", cwd=work)
     assert str(venv) in located  # the installed wheel, not this checkout
+    built = "from torchcontract import _fqn; print(_fqn._native_walk is not None)"
+    assert _run(python, "-c", built, cwd=work).strip() == "True"
     for name, page in (("readme", README), ("tour", DOCS / "getting-started.md")):
         (work / f"{name}.py").write_text("\n".join(code_blocks(page, "python")))
         printed = _run(python, f"{name}.py", cwd=work)

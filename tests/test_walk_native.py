@@ -1,0 +1,163 @@
+"""The C walk copies a module tree exactly as the Python walk does, or hands the tree back.
+
+``_fqn`` takes a tree's snapshot with the C walk where the package was built with it (as
+``make test``'s environment is) and with the Python walk, the reference, elsewhere. Both
+must copy the same lists, entry for entry, on every tree: random ones (tied parameters,
+shared modules, ``None`` members and children, every container) changed through every path
+a user has, and trees with instance ``forward``s. Where the Python walk takes a path of its
+own (a traced module, a member dict that is not a dict), the C walk answers None and the
+Python walk runs; a cyclic or too deep tree raises the same errors through both.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from collections.abc import Callable
+from types import MappingProxyType
+from typing import Final
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from test_fqn_properties import EXAMPLES, DrawChooser, Pools, build_tree, mutate
+from torch import nn
+
+from torchcontract import ContractError, CyclicModuleTreeError, _fqn, take_snapshot
+
+# torch.jit.trace is deprecated in favour of torch.compile, yet traced modules live on in models.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.trace:DeprecationWarning")
+
+native_walk: Final = _fqn._native_walk
+#: torch.jit.trace has no annotations.
+_trace: Callable[[nn.Module, torch.Tensor], torch.jit.ScriptModule] = torch.jit.trace
+
+
+Copies = tuple[list[int], object, object, object, object]
+
+
+def _python_copies(root: nn.Module) -> Copies:
+    """What the Python walk copied of ``root``: the modules' ids, classes, tree, forwards,
+    members."""
+    snapshot = _fqn._walk_in_python(root)
+    modules = list(map(id, snapshot._modules))
+    return (modules, snapshot.classes, snapshot._tree, snapshot._forwards, snapshot._members)
+
+
+def _native_copies(root: nn.Module) -> Copies | None:
+    """What the C walk copied of ``root``, as ``_python_copies``; None if it handed it back."""
+    assert native_walk is not None
+    copies = native_walk(root)
+    if copies is None:
+        return None
+    modules, classes, tree, forwards, members = copies
+    return (list(map(id, modules)), classes, tree, forwards, members)
+
+
+def _same_copies(root: nn.Module) -> None:
+    native = _native_copies(root)
+    assert native is not None
+    assert native == _python_copies(root)
+
+
+def test_the_c_walk_is_built() -> None:
+    """``make test``'s environment has it: the speed the performance page shows is its."""
+    assert native_walk is not None, (
+        "torchcontract._walk_native did not build (no C compiler?): install one, then run "
+        "pip install -e . again"
+    )
+
+
+@EXAMPLES
+@given(st.data())
+def test_both_walks_copy_random_trees_alike(data: st.DataObject) -> None:
+    chooser = DrawChooser(data)
+    pools = Pools()
+    root = nn.Sequential(build_tree(chooser, pools))
+    _same_copies(root)
+    for _ in range(chooser.integer(1, 3)):
+        mutate(chooser, pools, root)
+        _same_copies(root)
+
+
+def test_both_walks_copy_instance_forwards_alike() -> None:
+    first, last = nn.Linear(1, 1), nn.Linear(1, 1)
+    root = nn.Sequential(first, nn.Sequential(nn.ReLU(), last))
+    bound = first.forward
+    for module, forward in ((first, bound), (last, print), (root, len)):
+        setattr(module, "forward", forward)  # noqa: B010 (mypy refuses assigning a method)
+    native = _native_copies(root)
+    assert native is not None
+    assert native[3] == {0: len, 1: bound, 4: print}
+    _same_copies(root)
+
+
+def test_a_snapshot_is_the_c_walks_where_built_and_equals_the_pythons() -> None:
+    root = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.LayerNorm(2)))
+    root.register_buffer("steps", torch.zeros(1))
+    ours, reference = take_snapshot(root), _fqn._walk_in_python(root)
+    assert ours.same_as(reference)
+    assert reference.same_as(ours)
+    assert ours.parameters == reference.parameters
+    assert ours.buffers == ("steps",)
+    assert ours.module_fqns == ("", "0", "1", "1.0")
+
+
+def test_a_traced_module_is_left_to_the_python_walk() -> None:
+    traced = _trace(nn.Linear(2, 2), torch.zeros(1, 2))
+    root = nn.Sequential(nn.Linear(2, 2), traced)
+    assert _native_copies(root) is None
+    snapshot = take_snapshot(root)
+    assert snapshot.parameters == tuple(name for name, _ in root.named_parameters())
+
+
+def test_an_ordered_dict_is_read_in_its_own_order() -> None:
+    """``nn.Sequential``'s ``del`` leaves its children in an ``OrderedDict``; reordered here."""
+    child = nn.Linear(2, 2)
+    child._parameters = OrderedDict(child._parameters)
+    child._parameters.move_to_end("weight")  # its order now differs from its dict's
+    root = nn.Sequential(nn.Linear(1, 1), child, nn.Linear(1, 1))
+    del root[0]
+    assert type(root._modules) is OrderedDict
+    _same_copies(root)
+    names = tuple(name for name, _ in root.named_parameters())
+    assert take_snapshot(root).parameters == names == ("0.bias", "0.weight", "1.weight", "1.bias")
+
+
+def test_a_member_that_is_no_dict_is_left_to_the_python_walk() -> None:
+    child = nn.Linear(2, 2)
+    child._parameters = MappingProxyType(dict(child._parameters))  # type: ignore[assignment]
+    root = nn.Sequential(child)
+    assert _native_copies(root) is None
+    assert take_snapshot(root).parameters == ("0.weight", "0.bias")
+
+
+def test_a_cycle_raises_the_same_error_through_either_walk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    errors: list[str] = []
+    for walk in (native_walk, None):
+        monkeypatch.setattr(_fqn, "_native_walk", walk)
+        root = nn.Sequential(nn.Linear(1, 1))
+        root[0].add_module("loop", root)
+        with pytest.raises(CyclicModuleTreeError) as raised:
+            take_snapshot(root, api_name="api")
+        errors.append(str(raised.value))
+    assert errors[0] == errors[1]
+    assert errors[0].startswith("api: the module tree of Sequential has a cycle: Sequential at")
+
+
+def test_a_tree_deeper_than_the_recursion_limit_raises_through_either_walk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    root = leaf = nn.Sequential()
+    for _ in range(sys.getrecursionlimit() + 10):
+        deeper = nn.Sequential()
+        leaf.add_module("next", deeper)
+        leaf = deeper
+    leaf.add_module("end", nn.Linear(1, 1))
+    for walk in (native_walk, None):
+        monkeypatch.setattr(_fqn, "_native_walk", walk)
+        with pytest.raises(ContractError, match="nested deeper than Python's recursion limit"):
+            take_snapshot(root, api_name="api")
