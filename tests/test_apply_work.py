@@ -6,6 +6,10 @@ deterministic (collections are off while counting), so each test can hold the
 work per module of a small model to that of a model eight times as large: a walk
 of the tree per module, a registry scan per apply, or a cache rebuilt per module
 would make the larger model's marginal work per module grow, and fail here.
+
+Every test runs twice: with the walk in C (what an install with a compiler runs; the
+walk's own work is then one call, which the profiler sees as such) and with the Python
+walk, so that the reference walk, line by line, is held to linear work too.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import attrs
 import pytest
 from torch import nn
 
-from torchcontract import EmptyState, Incompatible, ModuleContract, StateStore, contract
+from torchcontract import EmptyState, Incompatible, ModuleContract, StateStore, _fqn, contract
 
 #: The sizes compared: the marginal work per module from SMALL to 2 * SMALL blocks,
 #: against that from LARGE / 2 to LARGE blocks.
@@ -34,6 +38,13 @@ LARGE: Final = 128
 SLACK: Final = 0.25
 
 API = ModuleContract[[], EmptyState]
+
+
+@pytest.fixture(autouse=True, params=["C walk", "Python walk"])
+def walk(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test with the snapshots' walk in C (where built), then in Python."""
+    if request.param == "Python walk":
+        monkeypatch.setattr(_fqn, "_native_walk", None)
 
 
 @attrs.frozen
