@@ -5,15 +5,16 @@
 must copy the same lists, entry for entry, on every tree: random ones (tied parameters,
 shared modules, ``None`` members and children, every container) changed through every path
 a user has, and trees with instance ``forward``s. Where the Python walk takes a path of its
-own (a traced module, a member dict that is not a dict), the C walk answers None and the
-Python walk runs; a cyclic or too deep tree raises the same errors through both.
+own (a traced module, a member that is no dict), the C walk answers None and the
+Python walk runs, as it does for a tree deeper than the C walk goes or one that changes
+while walked; a cyclic or too deep tree raises the same errors through both.
 """
 
 from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import MappingProxyType
 from typing import Final
 
@@ -133,6 +134,60 @@ def test_a_member_that_is_no_dict_is_left_to_the_python_walk() -> None:
     assert take_snapshot(root).parameters == ("0.weight", "0.bias")
 
 
+class Rebinding(dict[str, nn.Parameter | None]):
+    """Parameters whose iteration rebinds its module's buffers and children to new dicts."""
+
+    owner: nn.Module
+
+    def __iter__(self) -> Iterator[str]:
+        self.owner.__dict__["_buffers"] = {}
+        self.owner.__dict__["_modules"] = {}
+        return super().__iter__()
+
+
+def _rebinding_tree() -> nn.Module:
+    owner = nn.Linear(2, 2)
+    owner.register_buffer("running", torch.zeros(3))
+    owner.add_module("inner", nn.Linear(1, 1))
+    parameters = Rebinding(owner._parameters)
+    parameters.owner = owner
+    owner._parameters = parameters
+    return nn.Sequential(owner)
+
+
+def test_members_rebound_while_read_are_walked_as_the_python_walk_walks_them() -> None:
+    """Each walk reads the dicts it found, held while read (the C walk freed them once)."""
+    native = _native_copies(_rebinding_tree())
+    python = _python_copies(_rebinding_tree())
+    assert native is not None
+    # A new tree each time: the parameters' ids differ; the names and the tree do not.
+    assert native[2] == python[2]
+    assert native[2] == ([-1, 1, 0, 1, 1, 1], ["", "0", "inner"], [])
+
+
+class Growing(dict[str, nn.Parameter | None]):
+    """Parameters whose first iteration adds a child to ``root``, the module above."""
+
+    root: nn.Module
+
+    def __iter__(self) -> Iterator[str]:
+        if "extra" not in self.root._modules:
+            self.root._modules["extra"] = nn.Linear(1, 1)
+        return super().__iter__()
+
+
+def test_children_that_change_while_walked_are_left_to_the_python_walk() -> None:
+    first = nn.Linear(1, 1)
+    root = nn.Sequential(first, nn.Linear(1, 1))
+    parameters = Growing(first._parameters)
+    parameters.root = root
+    first._parameters = parameters
+    assert _native_copies(root) is None  # iterating them, Python would raise
+    names = tuple(name for name, _ in root.named_parameters())
+    assert take_snapshot(root).parameters == names
+    assert names[-2:] == ("extra.weight", "extra.bias")
+
+
 def test_a_cycle_raises_the_same_error_through_either_walk(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -148,15 +203,29 @@ def test_a_cycle_raises_the_same_error_through_either_walk(
     assert errors[0].startswith("api: the module tree of Sequential has a cycle: Sequential at")
 
 
-def test_a_tree_deeper_than_the_recursion_limit_raises_through_either_walk(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def _chain(depth: int) -> nn.Module:
+    """Sequentials nested ``depth`` deep, a Linear at the bottom."""
     root = leaf = nn.Sequential()
-    for _ in range(sys.getrecursionlimit() + 10):
+    for _ in range(depth):
         deeper = nn.Sequential()
         leaf.add_module("next", deeper)
         leaf = deeper
     leaf.add_module("end", nn.Linear(1, 1))
+    return root
+
+
+def test_a_tree_deeper_than_the_c_walk_goes_is_walked_in_python() -> None:
+    """Past 256 levels (no model has them) the C walk hands the tree back, stack unspent."""
+    shallow, deep = _chain(250), _chain(300)
+    assert _native_copies(shallow) is not None
+    assert _native_copies(deep) is None
+    assert take_snapshot(deep).parameters == tuple(name for name, _ in deep.named_parameters())
+
+
+def test_a_tree_deeper_than_the_recursion_limit_raises_through_either_walk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    root = _chain(sys.getrecursionlimit() + 10)
     for walk in (native_walk, None):
         monkeypatch.setattr(_fqn, "_native_walk", walk)
         with pytest.raises(ContractError, match="nested deeper than Python's recursion limit"):
