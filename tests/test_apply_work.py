@@ -45,6 +45,7 @@ def walk(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Non
     """Each test with the snapshots' walk in C (where built), then in Python."""
     if request.param == "Python walk":
         monkeypatch.setattr(_fqn, "_native_walk", None)
+        monkeypatch.setattr(_fqn, "_native_unchanged", None)
 
 
 @attrs.frozen

@@ -82,6 +82,79 @@ def test_both_walks_copy_random_trees_alike(data: st.DataObject) -> None:
         _same_copies(root)
 
 
+def _identical(before: _fqn.FQNSnapshot, after: _fqn.FQNSnapshot) -> bool:
+    """Whether two snapshots copied the very same objects: modules, classes, forwards, names."""
+    return (
+        before.same_as(after)
+        and list(map(id, before._modules)) == list(map(id, after._modules))
+        and before.classes == after.classes
+        and before._forwards.keys() == after._forwards.keys()
+        and all(before._forwards[key] is after._forwards[key] for key in before._forwards)
+        and list(map(id, before._tree[1])) == list(map(id, after._tree[1]))
+        and all(
+            list(map(id, old[1])) == list(map(id, new[1]))
+            for old, new in zip(before._members, after._members, strict=True)
+        )
+    )
+
+
+@EXAMPLES
+@given(st.data())
+def test_the_comparison_says_unchanged_exactly_when_a_new_walk_copies_the_same_objects(
+    data: st.DataObject,
+) -> None:
+    chooser = DrawChooser(data)
+    pools = Pools()
+    root = nn.Sequential(build_tree(chooser, pools))
+    before = take_snapshot(root)
+    assert _fqn.unchanged(before, root)
+    for _ in range(chooser.integer(1, 3)):
+        kind = mutate(chooser, pools, root)
+        after = take_snapshot(root)
+        assert _fqn.unchanged(before, root) == _identical(before, after), kind
+        before = after
+        assert _fqn.unchanged(before, root)
+
+
+def test_the_comparison_sees_a_forward_a_class_and_a_member_object_change() -> None:
+    linear, norm, inner = nn.Linear(2, 2), nn.LayerNorm(2), nn.Sequential()
+    inner.add_module("norm", norm)
+    root = nn.Sequential(linear, inner)
+    root.register_buffer("steps", torch.zeros(1))
+    changes: list[Callable[[], object]] = [
+        lambda: setattr(linear, "forward", print),
+        lambda: vars(linear).pop("forward"),
+        lambda: setattr(norm, "__class__", type("Norm", (nn.LayerNorm,), {})),
+        lambda: setattr(root, "steps", torch.zeros(1)),
+        lambda: setattr(linear, "bias", nn.Parameter(torch.zeros(2))),
+        lambda: inner.add_module("more", nn.ReLU()),
+    ]
+    for change in changes:
+        before = take_snapshot(root)
+        change()
+        assert not _fqn.unchanged(before, root)
+        assert _fqn.unchanged(take_snapshot(root), root)
+
+
+def test_a_leafs_snapshot_is_compared_too() -> None:
+    leaf = nn.Linear(2, 2)
+    before = take_snapshot(leaf)
+    assert _fqn.unchanged(before, leaf)
+    leaf.weight = nn.Parameter(torch.zeros(2, 2))
+    assert not _fqn.unchanged(before, leaf)
+    assert not _fqn.unchanged(before, nn.Linear(2, 2))  # another module: not the same tree
+
+
+def test_the_comparison_hands_back_what_the_walk_hands_back() -> None:
+    """A traced module: the C comparison answers None, ``unchanged`` False (compare in full)."""
+    root = nn.Sequential(_trace(nn.Linear(2, 2), torch.zeros(1, 2)))
+    before = take_snapshot(root)
+    assert _fqn._native_unchanged is not None
+    copies = (before._modules, before.classes, before._tree, before._forwards, before._members)
+    assert _fqn._native_unchanged(root, copies) is None
+    assert not _fqn.unchanged(before, root)
+
+
 def test_both_walks_copy_instance_forwards_alike() -> None:
     first, last = nn.Linear(1, 1), nn.Linear(1, 1)
     root = nn.Sequential(first, nn.Sequential(nn.ReLU(), last))

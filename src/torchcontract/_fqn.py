@@ -35,7 +35,7 @@ from torch import nn
 
 from ._errors import ContractError, CyclicModuleTreeError
 
-__all__ = ["FQNSnapshot", "descendants", "quote_fqn", "take_snapshot"]
+__all__ = ["FQNSnapshot", "descendants", "quote_fqn", "take_snapshot", "unchanged"]
 
 _NONE_ID: Final = id(None)
 _NO_FORWARD: Final = object()
@@ -57,6 +57,14 @@ _NativeCopies = tuple[
     tuple[type[nn.Module], ...],
     _TreeCopy,
     dict[int, object],
+    tuple[_MemberCopy, _MemberCopy],
+]
+#: What a snapshot holds of those, which the C comparison takes.
+_SnapshotCopies = tuple[
+    Sequence[nn.Module],
+    tuple[type[nn.Module], ...],
+    _TreeCopy,
+    Mapping[int, object],
     tuple[_MemberCopy, _MemberCopy],
 ]
 
@@ -213,19 +221,24 @@ class FQNSnapshot:
         )
 
 
-def _load_native_walk() -> Callable[[nn.Module], _NativeCopies | None] | None:
-    """The C walk (``_walk_native``), or None where the package was built without it."""
+def _load_native() -> tuple[
+    Callable[[nn.Module], _NativeCopies | None] | None,
+    Callable[[nn.Module, _SnapshotCopies], bool | None] | None,
+]:
+    """The C walk and comparison (``_walk_native``), or Nones where the package was built
+    without them."""
     try:
-        from ._walk_native import walk
+        from ._walk_native import unchanged, walk
     except ImportError:
-        return None
-    return walk
+        return None, None
+    return walk, unchanged
 
 
 #: The C walk, where built: ``_walk``'s copies of a tree, several times faster than the
 #: Python walk, which stays the reference (and the walk where it is not built, or where
-#: it answers None: a tree the Python walk takes a path of its own for).
-_native_walk: Final = _load_native_walk()
+#: it answers None: a tree the Python walk takes a path of its own for). The comparison
+#: walks a tree against a snapshot's copies without copying (``unchanged``).
+_native_walk, _native_unchanged = _load_native()
 _new: Final = object.__new__
 #: The copies of a leaf's tree, and of members a leaf has none of: shared, never written.
 _LEAF_TREE: Final[_TreeCopy] = ([-1, 1], [""], [])
@@ -460,6 +473,20 @@ def _find_cycle(root: nn.Module) -> tuple[str, nn.Module, str] | None:
             if child is not None
         )
     return None
+
+
+def unchanged(before: FQNSnapshot, root: nn.Module) -> bool:
+    """Whether ``root``'s tree is, object for object, the one ``before`` copied.
+
+    True: a snapshot of ``root`` taken now would be ``same_as`` ``before``, with the same
+    classes and instance forwards (so every check against it passes). False says only
+    that something may differ: take the snapshot and compare. Answered by the C walk,
+    which compares as it goes and copies nothing; always False where it is not built.
+    """
+    if _native_unchanged is None:
+        return False
+    copies = (before._modules, before.classes, before._tree, before._forwards, before._members)
+    return _native_unchanged(root, copies) is True
 
 
 def descendants(root: nn.Module, seen: set[int] | None = None) -> Iterator[nn.Module]:
