@@ -50,17 +50,10 @@ _TreeCopy = tuple[list[int], list[str], list[tuple[int, tuple[bool, ...]]]]
 #: have a count per module; buffers, which most modules lack, a position and a count per
 #: module that has any, flat.
 _MemberCopy = tuple[list[int], list[str], list[int]]
-#: What the C walk returns: the modules, their classes, the tree's copy, the modules'
-#: instance forwards and the members' copies (``_snapshot``'s arguments).
-_NativeCopies = tuple[
-    list[nn.Module],
-    tuple[type[nn.Module], ...],
-    _TreeCopy,
-    dict[int, object],
-    tuple[_MemberCopy, _MemberCopy],
-]
-#: What a snapshot holds of those, which the C comparison takes.
-_SnapshotCopies = tuple[
+#: What a snapshot holds, as ``_snapshot`` takes it: the modules, their classes, the tree's
+#: copy, the modules' instance forwards and the members' copies. The C walk returns it;
+#: the C comparison takes it.
+_Copies = tuple[
     Sequence[nn.Module],
     tuple[type[nn.Module], ...],
     _TreeCopy,
@@ -222,8 +215,8 @@ class FQNSnapshot:
 
 
 def _load_native() -> tuple[
-    Callable[[nn.Module], _NativeCopies | None] | None,
-    Callable[[nn.Module, _SnapshotCopies], bool | None] | None,
+    Callable[[nn.Module], _Copies | None] | None,
+    Callable[[nn.Module, _Copies], bool | None] | None,
 ]:
     """The C walk and comparison (``_walk_native``), or Nones where the package was built
     without them."""
