@@ -21,6 +21,10 @@ FQNs at all; any other pair is compared by its FQNs. Ids rather than the tensors
 themselves, so that a snapshot keeps no tensor alive: an API that replaces parameters
 frees the old ones as it goes. Nothing is cached across walks: every snapshot reads the
 whole tree again, so no change can hide.
+
+The walk runs in C where the package was built with it (``_walk_native.c``, which copies
+exactly what ``_walk_in_python`` copies, and hands back to it the trees it takes a path
+of its own for); ``unchanged`` walks a tree comparing it with a snapshot, copying nothing.
 """
 
 from __future__ import annotations
