@@ -16,7 +16,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from types import MappingProxyType
-from typing import Final
+from typing import Any, Final, cast
 
 import pytest
 import torch
@@ -143,6 +143,17 @@ def test_a_leafs_snapshot_is_compared_too() -> None:
     leaf.weight = nn.Parameter(torch.zeros(2, 2))
     assert not _fqn.unchanged(before, leaf)
     assert not _fqn.unchanged(before, nn.Linear(2, 2))  # another module: not the same tree
+
+
+def test_the_comparison_refuses_copies_it_did_not_make() -> None:
+    assert _fqn._native_unchanged is not None
+    root = nn.Sequential(nn.Linear(1, 1))
+    before = take_snapshot(root)
+    copies = (before._modules, before.classes, before._tree, before._forwards, before._members)
+    wrongs: list[object] = [list(copies), copies[:4], (*copies[:3], [], copies[4])]
+    for wrong in wrongs:
+        with pytest.raises(TypeError, match=r"unchanged\(\) takes the copies walk\(\) returns"):
+            _fqn._native_unchanged(root, cast(Any, wrong))
 
 
 def test_the_comparison_hands_back_what_the_walk_hands_back() -> None:

@@ -10,7 +10,8 @@
  * ``unchanged(root, copies)`` takes those copies, as a snapshot holds them, and walks the
  * tree comparing instead of copying: True if the walk would copy the same objects (the
  * same modules, classes, forwards, name and key strings, member objects by id), False at
- * the first difference, allocating nothing on the way. False says only that something may
+ * the first difference, allocating next to nothing on the way (a key per forward, the
+ * flags of a None child). False says only that something may
  * differ (an equal name in another string object, say): the caller then compares in full.
  *
  * Both return None, and ``_fqn`` walks the tree in Python, wherever the Python walk takes
@@ -72,13 +73,13 @@ static int put_number(Walk *walk, int list, Py_ssize_t value, void *pointer) {
         if (at >= PySequence_Fast_GET_SIZE(expected)) return DIFFERENT;
         PyObject *number = PySequence_Fast_ITEMS(expected)[at];
         if (!PyLong_Check(number)) return DIFFERENT;
-        int same = pointer ? PyLong_AsVoidPtr(number) == pointer
-                           : PyLong_AsSsize_t(number) == value;
-        if (PyErr_Occurred()) { /* out of range: no copy of ours */
-            PyErr_Clear();
+        void *read = pointer ? PyLong_AsVoidPtr(number) : NULL;
+        Py_ssize_t size = pointer ? 0 : PyLong_AsSsize_t(number);
+        if ((pointer ? read == NULL : size == -1) && PyErr_Occurred()) {
+            PyErr_Clear(); /* out of range: no copy of ours */
             return DIFFERENT;
         }
-        return same ? DONE : DIFFERENT;
+        return (pointer ? read == pointer : size == value) ? DONE : DIFFERENT;
     }
     PyObject *number = pointer ? PyLong_FromVoidPtr(pointer) : PyLong_FromSsize_t(value);
     if (number == NULL) return FAILED;
@@ -356,6 +357,10 @@ done:
 static int read_copies(Walk *walk, PyObject *copies) {
     PyObject *modules, *classes, *structure, *names, *holes, *forwards;
     PyObject *counts, *keys, *ids, *buffer_counts, *buffer_keys, *buffer_ids;
+    if (!PyTuple_Check(copies)) {
+        PyErr_SetString(PyExc_TypeError, "unchanged() takes the copies walk() returns");
+        return FAILED;
+    }
     if (!PyArg_ParseTuple(
             copies, "OO(OOO)O!((OOO)(OOO));unchanged() takes the copies walk() returns",
             &modules, &classes, &structure, &names, &holes, &PyDict_Type, &forwards, &counts,
