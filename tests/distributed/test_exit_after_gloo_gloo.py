@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
@@ -32,8 +33,11 @@ pytestmark = [
 
 #: Runs through torchcontract, none of which may abort.
 RUNS: Final = 12
-#: At most this many runs through torch's own call, to see the harness reproduce the abort.
+#: At most this many runs through torch's own call, to see the harness reproduce the abort,
+#: for at most this many seconds: each run starts torch on a core a busy loop shares, which
+#: takes seconds, and many more where other work loads the machine.
 CONTROL_RUNS: Final = 30
+CONTROL_SECONDS: Final = 150.0
 
 SCRIPT: Final = """
 import os, sys, threading
@@ -89,13 +93,25 @@ def _exits_cleanly(script: Path, implementation: str) -> bool:
     return done.returncode == 0
 
 
+def _reproduces_the_abort(script: Path) -> bool:
+    """Whether a run through torch's own call aborts, within the control runs' bounds."""
+    deadline = time.monotonic() + CONTROL_SECONDS
+    for _ in range(CONTROL_RUNS):
+        if not _exits_cleanly(script, "torch"):
+            return True
+        if time.monotonic() > deadline:
+            break
+    return False
+
+
 @pytest.mark.usefixtures("busy_core")
 @pytest.mark.parametrize("implementation", ["torchcontract", "after torchcontract"])
+@pytest.mark.timeout(600)  # the control runs' bound, then every one of ours, on a loaded machine
 def test_a_script_ending_after_gloo_collectives_exits_cleanly(
     tmp_path: Path, implementation: str
 ) -> None:
     script = tmp_path / "end_after_gathers.py"
     script.write_text(SCRIPT)
-    if all(_exits_cleanly(script, "torch") for _ in range(CONTROL_RUNS)):
-        pytest.skip(f"torch's own all-gather exited cleanly {CONTROL_RUNS} times here")
+    if not _reproduces_the_abort(script):
+        pytest.skip("torch's own all-gather exited cleanly in every control run here")
     assert [_exits_cleanly(script, implementation) for _ in range(RUNS)] == [True] * RUNS
