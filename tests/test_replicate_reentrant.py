@@ -212,3 +212,23 @@ def test_a_backward_that_raises_after_its_checkpoint_sent_gradients_is_unfinishe
     assert str(theirs_error).startswith(sentence)
     assert isinstance(ours, UnfinishedBackwardError)
     assert str(ours).startswith(sentence)
+
+
+def test_the_module_run_in_two_reentrant_checkpoints_averages_as_ddps() -> None:
+    """Each recompute's backward is one through the outputs: whole, though nested."""
+    grads: list[list[Tensor]] = []
+    for wrap in (None, replicate, DistributedDataParallel):
+        torch.manual_seed(0)
+        raw = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        model = raw if wrap is None else wrap(raw)
+        for _ in range(2):  # the second step's forward checks the first backward ended
+            raw.zero_grad()
+            x = torch.ones(2, 4, requires_grad=True)
+            h = _checkpointed(model, _checkpointed(model, x))
+            torch.autograd.backward(h.sum())
+        grads.append([p.grad.clone() for p in raw.parameters() if p.grad is not None])
+    plain, ours, theirs = grads
+    assert len(plain) == 2
+    for expected, mine, ddps in zip(plain, ours, theirs, strict=True):
+        assert torch.equal(mine, expected)
+        assert torch.equal(ddps, expected)

@@ -148,8 +148,7 @@ def test_a_leafs_snapshot_is_compared_too() -> None:
 def test_the_comparison_refuses_copies_it_did_not_make() -> None:
     assert _fqn._native_unchanged is not None
     root = nn.Sequential(nn.Linear(1, 1))
-    before = take_snapshot(root)
-    copies = (before._modules, before.classes, before._tree, before._forwards, before._members)
+    copies = take_snapshot(root)._copies()
     wrongs: list[object] = [list(copies), copies[:4], (*copies[:3], [], copies[4])]
     for wrong in wrongs:
         with pytest.raises(TypeError, match=r"unchanged\(\) takes the copies walk\(\) returns"):
@@ -161,8 +160,7 @@ def test_the_comparison_hands_back_what_the_walk_hands_back() -> None:
     root = nn.Sequential(_trace(nn.Linear(2, 2), torch.zeros(1, 2)))
     before = take_snapshot(root)
     assert _fqn._native_unchanged is not None
-    copies = (before._modules, before.classes, before._tree, before._forwards, before._members)
-    assert _fqn._native_unchanged(root, copies) is None
+    assert _fqn._native_unchanged(root, before._copies()) is None
     assert not _fqn.unchanged(before, root)
 
 
@@ -178,10 +176,21 @@ def test_both_walks_copy_instance_forwards_alike() -> None:
     _same_copies(root)
 
 
-def test_a_snapshot_is_the_c_walks_where_built_and_equals_the_pythons() -> None:
+def test_a_snapshot_is_the_c_walks_and_equals_the_pythons(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     root = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.LayerNorm(2)))
     root.register_buffer("steps", torch.zeros(1))
+    walked: list[nn.Module] = []
+
+    def walk(module: nn.Module) -> object:
+        walked.append(module)
+        assert native_walk is not None
+        return native_walk(module)
+
+    monkeypatch.setattr(_fqn, "_native_walk", walk)
     ours, reference = take_snapshot(root), _fqn._walk_in_python(root)
+    assert walked == [root]
     assert ours.same_as(reference)
     assert reference.same_as(ours)
     assert ours.parameters == reference.parameters

@@ -2,7 +2,8 @@
 
 ``apply`` reads top to bottom: find the targets, snapshot their FQNs, check the rules
 and install the default record and registry entry (one step, under the write lock),
-run the API function, snapshot again and compare. All of it runs in a
+run the API function, then compare each tree with its snapshot (a second snapshot and
+the checks only where it may differ). All of it runs in a
 ``Transaction``: any exception, ``BaseException`` included, removes what this call
 (and any API it applied in turn) installed.
 """

@@ -81,7 +81,7 @@ class FQNSnapshot:
         classes: The class of each of ``modules`` at snapshot time.
     """
 
-    # Few slots: a snapshot is built twice per apply, and each slot written costs.
+    # Few slots: a snapshot is built at every apply, and each slot written costs.
     # ``_tree`` is the copy of the tree; ``_forwards`` maps a module's position to its
     # instance ``forward``; ``_members`` is the copies of the parameters and of the buffers;
     # ``_names`` caches the FQN tuples built from them, by kind;
@@ -201,6 +201,10 @@ class FQNSnapshot:
     def forwards(self) -> tuple[object, ...]:
         """Per module, the ``forward`` set on the instance at snapshot time, or None."""
         return tuple(map(self._forwards.get, range(len(self._modules))))
+
+    def _copies(self) -> _Copies:
+        """What the walk copied, as ``_snapshot`` took it (and the C comparison takes it)."""
+        return (self._modules, self.classes, self._tree, self._forwards, self._members)
 
     def same_as(self, other: FQNSnapshot) -> bool:
         """Whether both walks copied the same tree, keys and member objects.
@@ -482,8 +486,7 @@ def unchanged(before: FQNSnapshot, root: nn.Module) -> bool:
     """
     if _native_unchanged is None:
         return False
-    copies = (before._modules, before.classes, before._tree, before._forwards, before._members)
-    return _native_unchanged(root, copies) is True
+    return _native_unchanged(root, before._copies()) is True
 
 
 def descendants(root: nn.Module, seen: set[int] | None = None) -> Iterator[nn.Module]:

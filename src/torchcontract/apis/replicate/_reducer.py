@@ -201,7 +201,7 @@ class Reducer:
         self._task = -1  # the autograd graph task that synchronizes, or -1
         # Hooks on the nodes that ran a nested backward which began synchronizing: each
         # carries the synchronization on into the backward around it (``_finish``).
-        self._resumes: list[RemovableHandle] = []
+        self._resume_hooks: list[RemovableHandle] = []
         # The last synchronizing forward, by number, while no backward synchronized for it
         # (None once one began): as DDP's expect_autograd_hooks_, the next backward that
         # reaches its outputs or accumulates a gradient synchronizes.
@@ -310,9 +310,9 @@ class Reducer:
             with contextlib.suppress(RuntimeError):
                 work.wait()
         self._task = -1
-        for handle in self._resumes:
-            handle.remove()
-        self._resumes = []
+        for hook in self._resume_hooks:
+            hook.remove()
+        self._resume_hooks = []
         self._waiting = list(self._due)
         # Per parameter, how often its gradient was accumulated in the synchronizing
         # backward running, nested backwards (a reentrant checkpoint's) included.
@@ -576,13 +576,16 @@ class Reducer:
 
     def _finish(self) -> None:
         """Run by the autograd engine at the end of a synchronizing backward."""
-        resume = _torch.resume_in_enclosing_backward(self._resume)
-        if resume is not None:
-            # It began in a nested backward (a reentrant checkpoint's recompute, where
-            # the first gradient of an output no search found arrives): the backward
-            # around it, whose gradients are still to come, is the one to synchronize.
-            self._resumes.append(resume)
-            return
+        if self._begun_by is None:
+            # Begun by a gradient, no output of the forward found: if that was in a
+            # nested backward (a reentrant checkpoint's recompute), the backward around
+            # it, whose gradients are still to come, is the one to synchronize. (One
+            # begun by the outputs is theirs, whole, even nested: the module itself run
+            # in a reentrant checkpoint.)
+            hook = _torch.resume_in_enclosing_backward(self._resume)
+            if hook is not None:
+                self._resume_hooks.append(hook)
+                return
         if self._begun_by is not None and not self._static_graph and not any(self._hooks):
             # Through the outputs, but nothing accumulated (torch.autograd.grad, a gradient
             # penalty's first half): not the synchronizing one, as DDP's reducer, which
