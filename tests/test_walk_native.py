@@ -7,7 +7,10 @@ shared modules, ``None`` members and children, every container) changed through 
 a user has, and trees with instance ``forward``s. Where the Python walk takes a path of its
 own (a traced module, a member that is no dict), the C walk answers None and the
 Python walk runs, as it does for a tree deeper than the C walk goes or one that changes
-while walked; a cyclic or too deep tree raises the same errors through both.
+while walked; a cyclic or too deep tree raises the same errors through both. The
+comparison after an API function (``unchanged_since``) says a tree is unchanged exactly
+when a new walk would copy the very same objects, so an apply that changes nothing takes
+one snapshot, not two.
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ from hypothesis import strategies as st
 from test_fqn_properties import EXAMPLES, DrawChooser, Pools, build_tree, mutate
 from torch import nn
 
-from torchcontract import ContractError, CyclicModuleTreeError, _fqn, take_snapshot
+from torchcontract import (
+    ContractError,
+    CyclicModuleTreeError,
+    StateStore,
+    _fqn,
+    contract,
+    take_snapshot,
+)
 
 # torch.jit.trace is deprecated in favour of torch.compile, yet traced modules live on in models.
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.trace:DeprecationWarning")
@@ -107,13 +117,13 @@ def test_the_comparison_says_unchanged_exactly_when_a_new_walk_copies_the_same_o
     pools = Pools()
     root = nn.Sequential(build_tree(chooser, pools))
     before = take_snapshot(root)
-    assert _fqn.unchanged(before, root)
+    assert _fqn.unchanged_since(before, root)
     for _ in range(chooser.integer(1, 3)):
         kind = mutate(chooser, pools, root)
         after = take_snapshot(root)
-        assert _fqn.unchanged(before, root) == _identical(before, after), kind
+        assert _fqn.unchanged_since(before, root) == _identical(before, after), kind
         before = after
-        assert _fqn.unchanged(before, root)
+        assert _fqn.unchanged_since(before, root)
 
 
 def test_the_comparison_sees_a_forward_a_class_and_a_member_object_change() -> None:
@@ -132,17 +142,17 @@ def test_the_comparison_sees_a_forward_a_class_and_a_member_object_change() -> N
     for change in changes:
         before = take_snapshot(root)
         change()
-        assert not _fqn.unchanged(before, root)
-        assert _fqn.unchanged(take_snapshot(root), root)
+        assert not _fqn.unchanged_since(before, root)
+        assert _fqn.unchanged_since(take_snapshot(root), root)
 
 
 def test_a_leafs_snapshot_is_compared_too() -> None:
     leaf = nn.Linear(2, 2)
     before = take_snapshot(leaf)
-    assert _fqn.unchanged(before, leaf)
+    assert _fqn.unchanged_since(before, leaf)
     leaf.weight = nn.Parameter(torch.zeros(2, 2))
-    assert not _fqn.unchanged(before, leaf)
-    assert not _fqn.unchanged(before, nn.Linear(2, 2))  # another module: not the same tree
+    assert not _fqn.unchanged_since(before, leaf)
+    assert not _fqn.unchanged_since(before, nn.Linear(2, 2))  # another module: not the same tree
 
 
 def test_the_comparison_refuses_copies_it_did_not_make() -> None:
@@ -161,7 +171,7 @@ def test_the_comparison_hands_back_what_the_walk_hands_back() -> None:
     before = take_snapshot(root)
     assert _fqn._native_unchanged is not None
     assert _fqn._native_unchanged(root, before._copies()) is None
-    assert not _fqn.unchanged(before, root)
+    assert not _fqn.unchanged_since(before, root)
 
 
 def test_both_walks_copy_instance_forwards_alike() -> None:
@@ -323,3 +333,49 @@ def test_a_tree_deeper_than_the_recursion_limit_raises_through_either_walk(
         monkeypatch.setattr(_fqn, "_native_walk", walk)
         with pytest.raises(ContractError, match="nested deeper than Python's recursion limit"):
             take_snapshot(root, api_name="api")
+
+
+def _walks_of(monkeypatch: pytest.MonkeyPatch) -> list[nn.Module]:
+    """The roots ``take_snapshot`` walks from now on, in order."""
+    walked: list[nn.Module] = []
+    walk = _fqn._walk
+
+    def counted(root: nn.Module) -> _fqn.FQNSnapshot:
+        walked.append(root)
+        return walk(root)
+
+    monkeypatch.setattr(_fqn, "_walk", counted)
+    return walked
+
+
+def test_an_apply_that_changes_nothing_takes_one_snapshot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The comparison answers for the second snapshot; without it, one is taken."""
+
+    @contract(store=StateStore())
+    def noop(module: nn.Module) -> None:
+        pass
+
+    walked = _walks_of(monkeypatch)
+    root = nn.Sequential(nn.Linear(1, 1), nn.ReLU())
+    noop(root)
+    assert walked == [root]
+    monkeypatch.setattr(_fqn, "_native_unchanged", None)
+    other = nn.Sequential(nn.Linear(1, 1), nn.ReLU())
+    noop(other)
+    assert walked == [root, other, other]
+
+
+def test_an_apply_that_changes_the_tree_takes_a_second_snapshot_and_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    @contract(store=StateStore())
+    def patching(module: nn.Module) -> None:
+        setattr(module.get_submodule("0"), "forward", print)  # noqa: B010 (a method, for mypy)
+
+    walked = _walks_of(monkeypatch)
+    root = nn.Sequential(nn.Linear(1, 1), nn.ReLU())
+    with pytest.raises(ContractError, match="patching assigned forward on the instance of Linear"):
+        patching(root)
+    assert walked == [root, root]

@@ -18,7 +18,7 @@ from typing_extensions import TypeIs
 
 from ._api_types import AnyContract, RegistryEntry
 from ._errors import AlreadyAppliedError, InvalidResultError, InvalidTargetError
-from ._fqn import FQNSnapshot, take_snapshot, unchanged
+from ._fqn import FQNSnapshot, take_snapshot, unchanged_since
 from ._fqn_checks import check_strict, check_unchanged
 from ._labels import module_label
 from ._registry import REGISTRY, check_compatible
@@ -72,7 +72,7 @@ def apply(
         result: Any = func(*args, **kwargs)
         updated = _updated(api.name, given, items, targets, result)
         for old, module in zip(before, updated, strict=True):
-            if not unchanged(old, module):  # else every check passes: nothing to take
+            if not unchanged_since(old, module):  # else every check passes: nothing to take
                 _verify(api, old, _snapshot(api.name, module))
     return given if result is None else result
 

@@ -24,7 +24,7 @@ whole tree again, so no change can hide.
 
 The walk runs in C where the package was built with it (``_walk_native.c``, which copies
 exactly what ``_walk_in_python`` copies, and hands back to it the trees it takes a path
-of its own for); ``unchanged`` walks a tree comparing it with a snapshot, copying nothing.
+of its own for); ``unchanged_since`` walks a tree comparing it with a snapshot, copying nothing.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from torch import nn
 
 from ._errors import ContractError, CyclicModuleTreeError
 
-__all__ = ["FQNSnapshot", "descendants", "quote_fqn", "take_snapshot", "unchanged"]
+__all__ = ["FQNSnapshot", "descendants", "quote_fqn", "take_snapshot", "unchanged_since"]
 
 _NONE_ID: Final = id(None)
 _NO_FORWARD: Final = object()
@@ -476,7 +476,7 @@ def _find_cycle(root: nn.Module) -> tuple[str, nn.Module, str] | None:
     return None
 
 
-def unchanged(before: FQNSnapshot, root: nn.Module) -> bool:
+def unchanged_since(before: FQNSnapshot, root: nn.Module) -> bool:
     """Whether ``root``'s tree is, object for object, the one ``before`` copied.
 
     True: a snapshot of ``root`` taken now would be ``same_as`` ``before``, with the same

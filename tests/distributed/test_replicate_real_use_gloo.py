@@ -20,6 +20,7 @@ from typing import Any, Final, NamedTuple, cast
 import pytest
 import torch
 import torch.distributed as dist
+from planned_failure import MESSAGE, arm, failure_point
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -489,25 +490,6 @@ def _not_a_member(rank: int) -> str:
 # ----------------------------------------------------------------- failures and buffers
 
 
-class _Fail(torch.autograd.Function):
-    """Identity whose backward raises while ``armed``."""
-
-    armed = False
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        if _Fail.armed:
-            raise ValueError("planned failure midway through backward")
-        return grad
-
-
-_fail: Final = cast(Callable[[Tensor], Tensor], _Fail.apply)
-
-
 class Failing(nn.Module):
     """Two layers, a point where backward may fail between them, a large last layer."""
 
@@ -518,7 +500,7 @@ class Failing(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         h = torch.tanh(self.first(x))
-        h = _fail(h)
+        h = failure_point(h)
         out: Tensor = self.last(h)
         return out
 
@@ -540,12 +522,9 @@ def _after_failed_backwards(rank: int) -> list[tuple[str, str]]:
         torch.manual_seed(0)
         model = wrap(Failing())
         x = torch.randn(32, 64, generator=torch.Generator().manual_seed(rank))
-        _Fail.armed = True
-        try:
-            with pytest.raises(ValueError, match="planned failure"):
-                torch.autograd.backward(model(x).pow(2).mean())
-        finally:
-            _Fail.armed = False
+        arm()
+        with pytest.raises(ValueError, match=MESSAGE):
+            torch.autograd.backward(model(x).pow(2).mean())
         for _ in range(2):
             try:
                 torch.autograd.backward(model(x).pow(2).mean())

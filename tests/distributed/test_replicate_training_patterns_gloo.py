@@ -54,6 +54,7 @@ from typing import Any, Final, cast
 import pytest
 import torch
 import torch.distributed as dist
+from planned_failure import MESSAGE, arm, failure_point
 from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.distributed.optim.apply_optimizer_in_backward import _apply_optimizer_in_backward
@@ -392,24 +393,6 @@ def _evaluated_alone_between(rank: int) -> Callable[[nn.Module, int], Tensor]:
     return step
 
 
-class _RaiseOnce(torch.autograd.Function):
-    armed = False
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        if _RaiseOnce.armed:
-            _RaiseOnce.armed = False
-            raise ValueError("a bad batch")
-        return grad
-
-
-_raise_once: Final = cast(Callable[[Tensor], Tensor], _RaiseOnce.apply)
-
-
 class Scaled(nn.Module):
     """A layer whose output passes a point that may raise first; ``scale`` is used outside."""
 
@@ -419,15 +402,15 @@ class Scaled(nn.Module):
         self.scale = nn.Parameter(torch.ones(()))
 
     def forward(self, x: Tensor) -> Tensor:
-        return _raise_once(self.layer(x))
+        return failure_point(self.layer(x))
 
 
 def _after_an_early_failure(rank: int) -> Callable[[nn.Module, int], Tensor]:
     def step(model: nn.Module, index: int) -> Tensor:
         scaled = cast(Scaled, model.module if isinstance(model, DistributedDataParallel) else model)
         if index == 0:
-            _RaiseOnce.armed = True
-            with pytest.raises(ValueError, match="a bad batch"):
+            arm()
+            with pytest.raises(ValueError, match=MESSAGE):
                 torch.autograd.backward(cast(Tensor, model(_batch(rank, 99))).sum())
             scaled.zero_grad()
         return (cast(Tensor, model(_batch(rank, index))) * scaled.scale).pow(2).sum()
